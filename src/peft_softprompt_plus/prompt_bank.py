@@ -1,0 +1,49 @@
+"""`SoftPromptBank`: the module that owns every adapter's `[N, D]` prompt and keeps it a float32 leaf."""
+
+from __future__ import annotations
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+
+class SoftPromptBank(nn.Module, BaseTunerLayer):
+    """One float32 `[N, D]` parameter per adapter name.
+
+    Being a `BaseTunerLayer` lets PEFT's own adapter bookkeeping (`set_adapter`, `disable_adapter`,
+    `get_model_status`, `delete_adapter`) treat it like any tuner layer.
+    """
+
+    adapter_layer_names = ("prompt",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompt = nn.ParameterDict()
+        self._active_adapter = []
+        self._disable_adapters = False
+        self.merged_adapters = []
+
+    def add(self, adapter_name: str, values: torch.Tensor, trainable: bool) -> None:
+        # `clone` + float32: the prompt never aliases `wte` (whose steps would then edit the tied lm_head too).
+        self.prompt[adapter_name] = nn.Parameter(values.detach().to(torch.float32).clone(), requires_grad=trainable)
+
+    def _apply(self, fn, recurse: bool = True):
+        # `model.half()` / `.to(torch.bfloat16)` move the prompt but must not lower it: GradScaler refuses fp16
+        # gradients and small updates vanish in bf16. `.data` assignment keeps the same leaf for the optimizer.
+        super()._apply(fn, recurse=recurse)
+        for param in self.prompt.values():
+            if param.dtype != torch.float32:
+                param.data = param.data.to(torch.float32)
+        return self
+
+    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+        raise ValueError(
+            "A soft prompt cannot be merged into the model's weights: it is an input, not a weight delta. Keep the "
+            "adapter attached, or call `unload()` to get the untouched base model back."
+        )
+
+    def unmerge(self) -> None:  # nothing is ever merged
+        return None
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}: {list(p.shape)} {str(p.dtype).removeprefix('torch.')}" for name, p in self.prompt.items())

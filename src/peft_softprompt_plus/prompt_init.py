@@ -1,0 +1,101 @@
+"""Initial prompt values, one strategy per `prompt_init` mode; every strategy returns a fresh float32 `[N, D]`
+tensor that shares no storage with the model."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .config import PromptInit, SoftPromptPlusConfig
+
+_STAT_CHUNK_ROWS = 4096
+
+
+def _generator(seed: Optional[int], device: torch.device) -> Optional[torch.Generator]:
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _rows(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    # `index_select` allocates; `.float()` then makes sure we never hand back a view of `wte`.
+    return embedding.weight.detach().index_select(0, ids.to(embedding.weight.device)).float().clone()  # [N, D]
+
+
+def _embedding_stats(weight: torch.Tensor) -> tuple[float, float]:
+    """Mean and std over all entries, in float64 chunks, so a low-precision `wte` is never copied whole."""
+    total, total_sq, count = 0.0, 0.0, 0
+    for chunk in weight.detach().split(_STAT_CHUNK_ROWS):
+        chunk = chunk.double()
+        total += chunk.sum().item()
+        total_sq += chunk.square().sum().item()
+        count += chunk.numel()
+    mean = total / count
+    return mean, max(total_sq / count - mean * mean, 0.0) ** 0.5
+
+
+def _random(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
+    # PEFT's N(0, 1) is ~50x GPT-2's embedding scale; matching wte's statistics keeps the prompt on-manifold.
+    n, dim = config.num_virtual_tokens, embedding.embedding_dim
+    mean, std = _embedding_stats(embedding.weight)
+    device = embedding.weight.device
+    noise = torch.randn(n, dim, generator=_generator(config.init_seed, device), device=device, dtype=torch.float32)
+    return noise * std + mean  # [N, D]
+
+
+def _special_token_ids(model_config) -> set[int]:
+    ids = set()
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "unk_token_id"):
+        value = getattr(model_config, attr, None)
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return {i for i in ids if isinstance(i, int)}
+
+
+def _vocab(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
+    special = _special_token_ids(model_config)
+    allowed = torch.tensor([i for i in range(embedding.num_embeddings) if i not in special], dtype=torch.long)
+    if allowed.numel() == 0:
+        raise ValueError(
+            f"`prompt_init='vocab'` found no non-special token in a vocabulary of {embedding.num_embeddings}. "
+            "Use `prompt_init='random'`."
+        )
+    pick = torch.randint(allowed.numel(), (config.num_virtual_tokens,), generator=_generator(config.init_seed, "cpu"))
+    return _rows(embedding, allowed[pick])
+
+
+def _text(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name_or_path)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"`tokenizer_name_or_path`={config.tokenizer_name_or_path!r} could not be loaded for "
+            f"`prompt_init='text'`: {err}. Pass a local tokenizer directory."
+        ) from err
+    ids = tokenizer(config.prompt_init_text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"`prompt_init_text`={config.prompt_init_text!r} tokenizes to no tokens.")
+    too_big = [i for i in ids if i >= embedding.num_embeddings]
+    if too_big:
+        raise ValueError(
+            f"`tokenizer_name_or_path`={config.tokenizer_name_or_path!r} produced token ids {too_big[:5]} outside "
+            f"the model's vocabulary of {embedding.num_embeddings}: the tokenizer does not belong to this model."
+        )
+    n = config.num_virtual_tokens
+    tiled = (ids * (n // len(ids) + 1))[:n]
+    return _rows(embedding, torch.tensor(tiled, dtype=torch.long))
+
+
+INIT_STRATEGIES: dict[str, Callable[[SoftPromptPlusConfig, nn.Embedding, object], torch.Tensor]] = {
+    PromptInit.RANDOM.value: _random,
+    PromptInit.VOCAB.value: _vocab,
+    PromptInit.TEXT.value: _text,
+}
+
+
+def initial_prompt(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
+    """Return the starting `[N, D]` float32 values for `config` on the model whose input embedding is `embedding`."""
+    return INIT_STRATEGIES[config.prompt_init](config, embedding, model_config)

@@ -1,0 +1,62 @@
+"""The exact prompted semantics as tensors: extended attention mask, position ids, prefixed labels.
+
+The prompt occupies positions `0..N-1`; text token `i` sits at `N + (real tokens before it)`, so left or right
+padding never moves a real token.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def text_mask(attention_mask: Optional[torch.Tensor], batch: int, length: int, device) -> torch.Tensor:
+    """The user's 2-D mask, or all ones; validated so a wrong shape fails here rather than deep in attention."""
+    if attention_mask is None:
+        return torch.ones(batch, length, dtype=torch.long, device=device)  # [B, L]
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(
+            f"`attention_mask` must have shape [batch, seq_len] = [{batch}, {length}] to match the inputs, got "
+            f"{list(attention_mask.shape)}. 4-D masks are not supported with a soft prompt."
+        )
+    return attention_mask.to(device)
+
+
+def extended_mask(mask: torch.Tensor, num_prompt: int) -> torch.Tensor:
+    ones = mask.new_ones(mask.shape[0], num_prompt)
+    return torch.cat([ones, mask], dim=1)  # [B, N+L]
+
+
+def positions(mask: torch.Tensor, num_prompt: int) -> torch.Tensor:
+    """Position ids for `[prompt; text]`; padding takes its neighbour's position, which attention never reads."""
+    batch = mask.shape[0]
+    real_before = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, L]
+    prompt = torch.arange(num_prompt, device=mask.device).expand(batch, num_prompt)  # [B, N]
+    return torch.cat([prompt, real_before + num_prompt], dim=1)  # [B, N+L]
+
+
+def prefixed_labels(labels: Optional[torch.Tensor], count: int) -> Optional[torch.Tensor]:
+    """Labels for `count` leading prompt positions are ignored; the last of them still predicts text token 0."""
+    if labels is None or count == 0:
+        return labels
+    pad = labels.new_full((labels.shape[0], count), IGNORE_INDEX)
+    return torch.cat([pad, labels], dim=1)  # [B, count+L]
+
+
+def last_real_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last real token, for pooling under left or right padding."""
+    length = mask.shape[1]
+    idx = torch.arange(length, device=mask.device).expand_as(mask)  # [B, L]
+    return torch.where(mask.bool(), idx, torch.full_like(idx, -1)).max(dim=1).values.clamp(min=0)  # [B]
+
+
+def check_fits(num_prompt: int, length: int, max_positions: Optional[int]) -> None:
+    if max_positions is not None and num_prompt + length > max_positions:
+        raise ValueError(
+            f"The prompt (num_virtual_tokens N={num_prompt}) plus the text (L={length} tokens) needs {num_prompt + length} "
+            f"positions, but the model has n_positions={max_positions}. Truncate the text to at most "
+            f"{max_positions - num_prompt} tokens or use fewer virtual tokens."
+        )

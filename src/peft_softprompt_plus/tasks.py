@@ -1,0 +1,72 @@
+"""Task heads over a prompted batch, one per `task_type`: what runs after the prompt is in place, and how the
+outputs are cut back to the base model's shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from transformers.loss.loss_utils import ForSequenceClassificationLoss
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+
+from . import semantics
+from .forward_paths import PromptedBatch
+
+
+def _strip(output, riding: int, length: int):
+    """Drop the riding prompt positions so per-position outputs have the base model's `[B, L, ...]` shape."""
+    if riding == 0:
+        return output
+    logits = getattr(output, "logits", None)
+    if logits is not None and logits.dim() == 3 and logits.shape[1] == riding + length:
+        output.logits = logits[:, riding:]  # [B, L, V]
+    hidden = getattr(output, "hidden_states", None)
+    if hidden is not None:
+        output.hidden_states = tuple(h[:, riding:] for h in hidden)  # each [B, L, D]
+    attentions = getattr(output, "attentions", None)
+    if attentions is not None:
+        output.attentions = tuple(a[:, :, riding:] for a in attentions)  # each [B, H, L, N+L]
+    return output
+
+
+def _causal_lm(model: nn.Module, batch: PromptedBatch, labels: Optional[torch.Tensor], kwargs: dict):
+    # The wrapped model computes the loss itself (so `num_items_in_batch` and wrappers such as TRL's fused head see
+    # the labels); the riding prompt position before the text is what predicts text token 0.
+    labels = semantics.prefixed_labels(labels, batch.riding)
+    output = model(**batch.kwargs, labels=labels, **kwargs)
+    return _strip(output, batch.riding, batch.mask.shape[1])
+
+
+def _sequence_classification(model: nn.Module, batch: PromptedBatch, labels: Optional[torch.Tensor], kwargs: dict):
+    # Pool at each row's last real token from the mask: GPT-2 itself pools index -1 when it only sees embeddings.
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("num_items_in_batch", "return_dict")}
+    out = model.base_model(**batch.kwargs, **kwargs)
+    hidden = out.last_hidden_state[:, batch.riding :]  # [B, L, D]
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    pooled = hidden[rows, semantics.last_real_index(batch.mask).to(hidden.device)]  # [B, D]
+    logits = model.score(pooled)  # [B, C]
+    loss = None
+    if labels is not None:
+        loss = ForSequenceClassificationLoss(labels.to(logits.device), logits, model.config)
+    return SequenceClassifierOutputWithPast(
+        loss=loss,
+        logits=logits,
+        cache=getattr(out, "cache", None),
+        hidden_states=getattr(out, "hidden_states", None),
+        attentions=getattr(out, "attentions", None),
+    )
+
+
+@dataclass(frozen=True)
+class Task:
+    run: Callable
+    riding_when_shared: int  # prompt positions that must run with the text on the shared-KV path
+    needs: str  # attribute the wrapped model must have
+
+
+TASKS: dict[str, Task] = {
+    "CAUSAL_LM": Task(run=_causal_lm, riding_when_shared=1, needs="lm_head"),
+    "SEQ_CLS": Task(run=_sequence_classification, riding_when_shared=0, needs="score"),
+}

@@ -1,0 +1,79 @@
+"""A tiny, seeded, offline GPT-2 and tokenizer: what the demo, examples and tests run on without the Hub."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
+
+# Small on purpose: enough words for the demo task and for tokenizing test sentences.
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a soft prompt is a learned sequence of input embeddings",
+    "gradients flow from the loss back to the prompt through the frozen model",
+    "positive negative review movie film great terrible good bad",
+    "one two three four five six seven eight nine ten",
+    "red green blue yellow black white orange purple",
+    "cat dog bird fish horse cow sheep goat",
+    "hello world this is a tiny model for tests",
+    "answer question label sentiment topic color animal number",
+]
+
+
+def tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on an embedded corpus; ids 0/1 are end-of-text and pad."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|pad|>"
+    )
+
+
+def tiny_config(vocab_size: int, **overrides) -> GPT2Config:
+    kwargs = dict(
+        vocab_size=vocab_size,
+        n_positions=128,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    kwargs.update(overrides)
+    return GPT2Config(**kwargs)
+
+
+def tiny_gpt2(seed: int = 0, task: str = "CAUSAL_LM", vocab_size: Optional[int] = None, **overrides):
+    """A seeded random GPT-2 (causal LM or sequence classifier) sized for CPU tests."""
+    vocab_size = vocab_size if vocab_size is not None else len(tiny_tokenizer())
+    config = tiny_config(vocab_size, **overrides)
+    cls = {"CAUSAL_LM": GPT2LMHeadModel, "SEQ_CLS": GPT2ForSequenceClassification}[task]
+    torch.manual_seed(seed)
+    return cls(config).eval()
+
+
+def save_tiny(path: str, seed: int = 0, **overrides) -> str:
+    """Write a tiny GPT-2 + tokenizer to `path` so `from_pretrained(path)` works offline."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_gpt2(seed=seed, vocab_size=len(tokenizer), **overrides)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
