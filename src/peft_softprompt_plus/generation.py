@@ -42,23 +42,35 @@ class PromptKVStore:
             self._entries.pop(adapter, None)
 
 
+def _generation_value(model: nn.Module, kwargs: dict, key: str):
+    """A generation setting as `generate` would resolve it: call kwargs, then the passed config, then the model's."""
+    if kwargs.get(key) is not None:
+        return kwargs[key]
+    for gen in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        if getattr(gen, key, None) is not None:
+            return getattr(gen, key)
+    return None
+
+
 def _placeholder_id(model: nn.Module, kwargs: dict) -> int:
-    gen = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    for candidate in (kwargs.get("pad_token_id"), getattr(gen, "pad_token_id", None), getattr(gen, "eos_token_id", None)):
-        if isinstance(candidate, (list, tuple)):
-            candidate = candidate[0] if candidate else None
-        if isinstance(candidate, int):
-            return candidate
+    # Not the pad id: HF drops an all-ones mask and would then warn about pad tokens it sees in `input_ids`.
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = _generation_value(model, kwargs, key)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if isinstance(value, int):
+            return value
     return 0
 
 
 def _shift_total_lengths(model: nn.Module, kwargs: dict, num_prompt: int) -> None:
-    """`max_length`/`min_length` count the whole sequence; the placeholders must not eat into them."""
-    gen = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    if kwargs.get("max_new_tokens") is None and getattr(gen, "max_new_tokens", None) is None:
-        kwargs["max_length"] = kwargs.get("max_length", getattr(gen, "max_length", 20)) + num_prompt
-    if kwargs.get("min_new_tokens") is None and (kwargs.get("min_length") or getattr(gen, "min_length", 0)):
-        kwargs["min_length"] = kwargs.get("min_length", getattr(gen, "min_length", 0)) + num_prompt
+    """An explicit `max_length`/`min_length` counts the whole sequence; the placeholders must not eat into it.
+
+    (With neither set, HF generates 20 new tokens after whatever the input is, placeholders included.)
+    """
+    for total, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+        if _generation_value(model, kwargs, new) is None and _generation_value(model, kwargs, total):
+            kwargs[total] = _generation_value(model, kwargs, total) + num_prompt
 
 
 @contextlib.contextmanager

@@ -70,3 +70,16 @@ def validate_at_attach(tuner, adapter_name: str, mode: str) -> None:
     if mode == "raise":
         raise GradientFlowError(findings)
     warnings.warn(str(GradientFlowError(findings)), stacklevel=3)
+
+
+def warn_grad_disabled_once(tuner) -> None:
+    """A training-mode forward under `no_grad`/`inference_mode` trains nothing; say so once per model."""
+    if getattr(tuner, "_warned_grad_disabled", False):
+        return
+    tuner._warned_grad_disabled = True
+    warnings.warn(
+        "[grad_disabled] The soft-prompted model ran a forward in training mode with gradients disabled "
+        "(torch.no_grad(), torch.inference_mode() or inside generate()), so the prompt gets no gradient from it. "
+        "Fix: run the training forward outside those contexts, or call model.eval() for inference.",
+        stacklevel=4,
+    )

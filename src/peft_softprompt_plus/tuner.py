@@ -14,7 +14,7 @@ from peft.utils import set_additional_trainable_modules
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
-from . import forward_paths, generation, semantics, tying
+from . import forward_paths, generation, gradient_flow, semantics, tying
 from ._peft_registry import PREFIX
 from .config import ForwardPath, SoftPromptPlusConfig
 from .prompt_bank import SoftPromptBank
@@ -81,9 +81,7 @@ class SoftPromptPlusModel(BaseTuner):
             activate_adapter=adapter_name in self.active_adapters,
         )
         if trainable and config.validate_gradients != "off":
-            from .gradient_flow import validate_at_attach
-
-            validate_at_attach(self, adapter_name, config.validate_gradients)
+            gradient_flow.validate_at_attach(self, adapter_name, config.validate_gradients)
 
     @staticmethod
     def _check_model(model: nn.Module, config: SoftPromptPlusConfig, task) -> None:
@@ -195,6 +193,8 @@ class SoftPromptPlusModel(BaseTuner):
                     "prompt owns positions 0..N-1 and the cache. Positions come from `attention_mask`; for "
                     "incremental decoding use `model.generate()`."
                 )
+        if self.training and not torch.is_grad_enabled():
+            gradient_flow.warn_grad_disabled_once(self)
         config = self.peft_config[adapter]
         task = TASKS[_task_name(config)]
         prompt = self.prompt_for_use(adapter)  # [N, D]

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny seeded GPT-2 models and a local tokenizer; nothing touches the network."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from peft import get_peft_model  # noqa: E402
+
+import peft_softprompt_plus  # noqa: E402,F401  (registers the method)
+from peft_softprompt_plus import SoftPromptPlusConfig  # noqa: E402
+from peft_softprompt_plus.tiny import save_tiny, tiny_gpt2, tiny_tokenizer  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def make_base():
+    """`make_base(seed=0, task="CAUSAL_LM", **gpt2_config_overrides)` -> a fresh tiny GPT-2 in eval mode."""
+    return tiny_gpt2
+
+
+@pytest.fixture
+def make_peft():
+    """`make_peft(base=None, **SoftPromptPlusConfig kwargs)` -> PeftModel with a seeded 5-token prompt."""
+
+    def _make(base=None, task_type="CAUSAL_LM", **config):
+        base = base if base is not None else tiny_gpt2(task=task_type)
+        config.setdefault("num_virtual_tokens", 5)
+        config.setdefault("init_seed", 0)
+        return get_peft_model(base, SoftPromptPlusConfig(task_type=task_type, **config))
+
+    return _make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny GPT-2 + tokenizer saved to disk, for `from_pretrained(path)` flows."""
+    return save_tiny(str(tmp_path_factory.mktemp("tiny-gpt2")))
+
+
+def random_ids(batch: int, length: int, vocab: int = 300, seed: int = 0) -> torch.Tensor:
+    """Token ids that avoid the special ids 0 (end-of-text) and 1 (pad)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (batch, length), generator=g)
