@@ -25,7 +25,7 @@ _CORPUS = [
 ]
 
 
-def tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
+def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on an embedded corpus; ids 0/1 are end-of-text and pad."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
