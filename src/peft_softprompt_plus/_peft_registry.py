@@ -15,6 +15,9 @@ from peft.utils.peft_types import PeftType
 NAME = "SOFTPROMPT_PLUS"
 PREFIX = "softprompt_plus_"
 
+# staging dir -> the directory the user asked for, so the model card names the real location.
+_STAGED_FOR: dict[str, str] = {}
+
 
 def _extend_str_enum(enum_cls, name: str, value: str):
     """Add a member to a `(str, Enum)` class in place; returns the existing member when already present."""
@@ -66,7 +69,7 @@ def _install_peft_model_hooks() -> None:
         if _is_ours(self):
             from .model_card import write_model_card
 
-            write_model_card(self, output_dir)
+            write_model_card(self, output_dir, adapter_ref=_STAGED_FOR.get(os.path.abspath(output_dir), output_dir))
 
     @functools.wraps(original_save)
     def save_pretrained(self, save_directory: str, *args, is_main_process: bool = True, **kwargs):
@@ -92,6 +95,7 @@ def _atomic_save(save_into, save_directory: str):
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".softprompt-plus-save-", dir=parent)
+    _STAGED_FOR[staging] = target
     try:
         # `save_pretrained` merges into an existing README; seed it so the user's card text survives.
         readme = os.path.join(target, "README.md")
@@ -101,6 +105,7 @@ def _atomic_save(save_into, save_directory: str):
         _move_tree(staging, target)
         return result
     finally:
+        _STAGED_FOR.pop(staging, None)
         shutil.rmtree(staging, ignore_errors=True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from huggingface_hub import ModelCard
 
@@ -22,7 +23,8 @@ def usage_snippet(base_model: str, repo_or_path: str, task_type: str) -> str:
     )
 
 
-def write_model_card(peft_model, output_dir: str) -> None:
+def write_model_card(peft_model, output_dir: str, adapter_ref: Optional[str] = None) -> None:
+    """Add our section to the card PEFT wrote in `output_dir`; `adapter_ref` is what users pass to load it."""
     path = os.path.join(output_dir, "README.md")
     card = ModelCard.load(path)
     config = peft_model.active_peft_config
@@ -50,7 +52,7 @@ def write_model_card(peft_model, output_dir: str) -> None:
         "",
         "### How to load",
         "",
-        usage_snippet(base_model, os.path.basename(os.path.abspath(output_dir)), task),
+        usage_snippet(base_model, adapter_ref or output_dir, task),
     ]
     card.text = "\n".join(section + [""] + lines)
     card.save(path)

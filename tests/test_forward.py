@@ -1,0 +1,162 @@
+"""Forward semantics (semantics.py, forward_paths.py, tasks.py) against PEFT PROMPT_TUNING and invariants."""
+
+import pytest
+import torch
+from conftest import random_ids
+from peft import PromptTuningConfig, get_peft_model
+
+N = 5
+
+
+def prompt_of(model):
+    return model.base_model.softprompt_plus.prompt["default"]
+
+
+def peft_reference(make_base, ours, task="CAUSAL_LM"):
+    """PEFT PROMPT_TUNING on an identical base, holding the same prompt values (fp32, dropout 0)."""
+    ref = get_peft_model(make_base(task=task), PromptTuningConfig(task_type=task, num_virtual_tokens=N))
+    with torch.no_grad():
+        ref.prompt_encoder["default"].embedding.weight.copy_(prompt_of(ours))
+    return ref
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("forward_path", ["shared_kv", "concat"])
+def test_matches_peft_prompt_tuning(make_base, make_peft, forward_path):
+    ours = make_peft(num_virtual_tokens=N, forward_path=forward_path)
+    ref = peft_reference(make_base, ours)
+    ids = random_ids(3, 9)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    out, ref_out = ours(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+
+    assert abs(out.loss.item() - ref_out.loss.item()) <= 1e-5 * abs(ref_out.loss.item())
+    assert out.logits.shape == (3, 9, ours.config.vocab_size)  # base-shaped: no virtual positions
+    torch.testing.assert_close(out.logits, ref_out.logits[:, N:], atol=1e-5, rtol=1e-5)
+    (g,) = torch.autograd.grad(out.loss, prompt_of(ours))
+    (g_ref,) = torch.autograd.grad(ref_out.loss, ref.prompt_encoder["default"].embedding.weight)
+    assert rel(g, g_ref) <= 1e-4
+    assert g.dtype == torch.float32
+
+
+def test_loss_includes_first_text_token(make_peft):
+    """Only text token 0 is labelled: the loss must still be defined (predicted from the last prompt position)."""
+    model = make_peft()
+    ids = random_ids(2, 4)
+    labels = torch.full_like(ids, -100)
+    labels[:, 0] = ids[:, 0]
+    loss = model(input_ids=ids, labels=labels).loss
+    assert torch.isfinite(loss) and loss.item() > 0
+    (g,) = torch.autograd.grad(loss, prompt_of(model))
+    assert g.abs().sum() > 0
+
+
+def test_shared_kv_equals_concat(make_base, make_peft):
+    a = make_peft(forward_path="shared_kv")
+    b = make_peft(forward_path="concat")
+    ids = random_ids(4, 7, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    mask[2, 5:] = 0  # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+    out_a = a(input_ids=ids, attention_mask=mask, labels=labels)
+    out_b = b(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(out_a.loss, out_b.loss, atol=1e-6, rtol=1e-6)
+    real = mask.bool()
+    torch.testing.assert_close(out_a.logits[real], out_b.logits[real], atol=1e-5, rtol=1e-5)
+    (ga,) = torch.autograd.grad(out_a.loss, prompt_of(a))
+    (gb,) = torch.autograd.grad(out_b.loss, prompt_of(b))
+    assert rel(ga, gb) <= 1e-5
+
+
+@pytest.mark.parametrize("forward_path", ["shared_kv", "concat"])
+def test_padding_never_moves_a_real_token(make_peft, forward_path):
+    model = make_peft(forward_path=forward_path).eval()
+    ids = random_ids(1, 6, seed=5)
+    alone = model(input_ids=ids).logits[0]  # [6, V]
+    pad = torch.ones(1, 3, dtype=torch.long)
+    left = model(input_ids=torch.cat([pad, ids], 1), attention_mask=torch.tensor([[0] * 3 + [1] * 6])).logits[0, 3:]
+    right = model(input_ids=torch.cat([ids, pad], 1), attention_mask=torch.tensor([[1] * 6 + [0] * 3])).logits[0, :6]
+    torch.testing.assert_close(left, alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(right, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_embeds_equal_input_ids(make_peft):
+    model = make_peft().eval()
+    ids = random_ids(2, 6)
+    embeds = model.get_input_embeddings()(ids)
+    torch.testing.assert_close(model(inputs_embeds=embeds).logits, model(input_ids=ids).logits)
+
+
+def test_gradient_checkpointing_falls_back_to_concat(make_base, make_peft):
+    base = make_base()
+    base.gradient_checkpointing_enable()
+    model = make_peft(base=base, validate_gradients="off").train()
+    plain = make_peft().train()
+    ids = random_ids(2, 6)
+    loss, loss_plain = model(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, loss_plain, atol=1e-6, rtol=1e-6)
+    (g,) = torch.autograd.grad(loss, prompt_of(model))
+    assert g.abs().sum() > 0
+
+
+def test_explicit_shared_kv_with_checkpointing_is_refused(make_base, make_peft):
+    base = make_base()
+    base.gradient_checkpointing_enable()
+    model = make_peft(base=base, forward_path="shared_kv", validate_gradients="off").train()
+    with pytest.raises(ValueError, match="gradient checkpointing"):
+        model(input_ids=random_ids(1, 4))
+
+
+def test_too_long_is_refused_before_the_model_fails(make_peft):
+    model = make_peft(num_virtual_tokens=10)  # tiny GPT-2 has n_positions=128
+    with pytest.raises(ValueError, match=r"N=10.*L=119.*n_positions=128"):
+        model(input_ids=random_ids(1, 119))
+    model(input_ids=random_ids(1, 118))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({}, "exactly one of `input_ids` and `inputs_embeds`"),
+        ({"input_ids": "ids", "inputs_embeds": "embeds"}, "exactly one"),
+        ({"input_ids": "ids", "position_ids": "ids"}, "`position_ids`"),
+        ({"input_ids": "ids", "attention_mask": "bad_mask"}, r"`attention_mask` must have shape \[batch, seq_len\]"),
+    ],
+)
+def test_bad_forward_inputs(make_peft, kwargs, match):
+    model = make_peft()
+    ids = random_ids(2, 4)
+    values = {"ids": ids, "embeds": model.get_input_embeddings()(ids), "bad_mask": torch.ones(2, 5, dtype=torch.long)}
+    with pytest.raises(ValueError, match=match):
+        model(**{k: values[v] for k, v in kwargs.items()})
+
+
+@pytest.mark.parametrize("forward_path", ["shared_kv", "concat"])
+def test_sequence_classification_pools_last_real_token(make_peft, forward_path):
+    model = make_peft(task_type="SEQ_CLS", forward_path=forward_path).eval()
+    ids = random_ids(1, 5, seed=7)
+    alone = model(input_ids=ids).logits  # [1, C]
+    pad = torch.ones(1, 2, dtype=torch.long)  # pad id 1
+    right = model(input_ids=torch.cat([ids, pad], 1), attention_mask=torch.tensor([[1] * 5 + [0] * 2])).logits
+    left = model(input_ids=torch.cat([pad, ids], 1), attention_mask=torch.tensor([[0] * 2 + [1] * 5])).logits
+    torch.testing.assert_close(right, alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(left, alone, atol=1e-5, rtol=1e-5)
+    out = model(input_ids=ids, labels=torch.tensor([1]))
+    assert out.loss is not None and out.logits.shape == (1, model.config.num_labels)
+
+
+def test_sequence_classification_fixes_peft_right_padding(make_base, make_peft):
+    """PEFT prompt tuning pools index -1 (a pad) under right padding; ours equals the unpadded row."""
+    ours = make_peft(task_type="SEQ_CLS").eval()
+    ref = peft_reference(make_base, ours, task="SEQ_CLS").eval()
+    ref.base_model.score.modules_to_save["default"].load_state_dict(ours.base_model.model.score.modules_to_save["default"].state_dict())
+    ids = random_ids(1, 5, seed=7)
+    padded = torch.cat([ids, torch.ones(1, 2, dtype=torch.long)], 1)
+    mask = torch.tensor([[1] * 5 + [0] * 2])
+    torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ref(input_ids=padded, attention_mask=mask).logits, ref(input_ids=ids).logits, atol=1e-3)
+    torch.testing.assert_close(ours(input_ids=padded, attention_mask=mask).logits, ours(input_ids=ids).logits, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,125 @@
+"""generate() (generation.py): a manual greedy loop as reference, and batched/cache invariants."""
+
+import pytest
+import torch
+from conftest import random_ids
+
+
+def manual_greedy(model, ids, new_tokens):
+    """The reference: no cache, argmax of the full prompted forward, one token at a time."""
+    cur = ids
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            nxt = model(input_ids=cur).logits[:, -1].argmax(-1, keepdim=True)
+            cur = torch.cat([cur, nxt], dim=1)
+    return cur
+
+
+@pytest.fixture
+def model(make_base, make_peft):
+    # A random GPT-2 at the default init is nearly the identity map (greedy repeats the last token); a wider init
+    # gives it real attention, so the tests below can tell a right prompt from a wrong one.
+    model = make_peft(base=make_base(initializer_range=0.5), num_virtual_tokens=6).eval()
+    with torch.no_grad():  # a loud prompt, so that getting it wrong anywhere changes the tokens
+        model.base_model.softprompt_plus.prompt["default"].normal_(0.0, 1.0)
+    return model
+
+
+def test_greedy_equals_manual_loop(model):
+    ids = random_ids(3, 5, seed=11)
+    out = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False)
+    assert out.shape == (3, 15)
+    assert torch.equal(out[:, :5], ids)  # the input ids, then the new tokens: no virtual positions
+    for row in range(3):
+        assert torch.equal(out[row], manual_greedy(model, ids[row : row + 1], 10)[0])
+
+
+def test_greedy_differs_from_base_model(model):
+    """The prompt really is in effect during generation (a guard against silently generating without it)."""
+    ids = random_ids(4, 5, seed=12)
+    ours = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    with model.disable_adapter():
+        base = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    assert not torch.equal(ours, base)
+
+
+def test_cache_on_equals_cache_off(model):
+    ids = random_ids(2, 5, seed=13)
+    on = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, use_cache=True)
+    off = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, use_cache=False)
+    assert torch.equal(on, off)
+
+
+def test_left_padded_batch_equals_unbatched(model):
+    short, long = random_ids(1, 3, seed=14), random_ids(1, 6, seed=15)
+    batch = torch.cat([torch.cat([torch.ones(1, 3, dtype=torch.long), short], 1), long])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
+    out = model.generate(input_ids=batch, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=1)
+    assert torch.equal(out[0, 3:], model.generate(input_ids=short, max_new_tokens=7, do_sample=False)[0])
+    assert torch.equal(out[1], model.generate(input_ids=long, max_new_tokens=7, do_sample=False)[0])
+
+
+def test_beam_search_batched_equals_unbatched(model):
+    ids = random_ids(2, 4, seed=16)
+    batched = model.generate(input_ids=ids, max_new_tokens=5, num_beams=3, do_sample=False)
+    for row in range(2):
+        single = model.generate(input_ids=ids[row : row + 1], max_new_tokens=5, num_beams=3, do_sample=False)
+        assert torch.equal(batched[row], single[0])
+
+
+def test_beam_search_cache_on_equals_off(model):
+    ids = random_ids(1, 4, seed=17)
+    kwargs = dict(max_new_tokens=5, num_beams=3, do_sample=False)
+    assert torch.equal(model.generate(input_ids=ids, **kwargs), model.generate(input_ids=ids, use_cache=False, **kwargs))
+
+
+def test_sampling_is_seeded_and_cache_independent(model):
+    ids = random_ids(2, 4, seed=18)
+    kwargs = dict(max_new_tokens=6, do_sample=True, top_k=20, num_return_sequences=2)
+    torch.manual_seed(3)
+    a = model.generate(input_ids=ids, **kwargs)
+    torch.manual_seed(3)
+    b = model.generate(input_ids=ids, use_cache=False, **kwargs)
+    assert a.shape == (4, 10)
+    assert torch.equal(a, b)
+
+
+def test_default_and_explicit_lengths_match_base(model):
+    ids = random_ids(1, 4, seed=19)
+    with model.disable_adapter():
+        base_default, base_max = model.generate(input_ids=ids), model.generate(input_ids=ids, max_length=9)
+    assert model.generate(input_ids=ids).shape == base_default.shape
+    assert model.generate(input_ids=ids, max_length=9).shape == base_max.shape == (1, 9)
+
+
+def test_return_dict_strips_placeholders(model):
+    ids = random_ids(1, 4, seed=20)
+    out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences[:, :4], ids) and out.sequences.shape == (1, 7)
+
+
+def test_prompt_kv_is_reused_until_the_prompt_changes(model):
+    tuner = model.base_model
+    ids = random_ids(1, 4, seed=21)
+    first = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    entry = tuner._kv_store._entries["default"]
+    model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert tuner._kv_store._entries["default"] is entry  # reused, not recomputed
+    prompt = tuner.softprompt_plus.prompt["default"]
+    opt = torch.optim.SGD([prompt], lr=10.0)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    model.eval()
+    second = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert tuner._kv_store._entries["default"] is not entry  # the optimizer step invalidated it
+    assert torch.equal(second, manual_greedy(model, ids, 4))
+    assert not torch.equal(first, second)
+
+
+def test_generate_rejects_embeds_and_caches(model):
+    ids = random_ids(1, 4)
+    with pytest.raises(ValueError, match="`input_ids` is required"):
+        model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=2)
+    with pytest.raises(ValueError, match="too|n_positions"):
+        model.generate(input_ids=random_ids(1, 125), max_new_tokens=2)

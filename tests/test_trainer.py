@@ -1,0 +1,241 @@
+"""The HF `Trainer` as a user drives it: default arguments, adapter-only checkpoints, bit-identical resume,
+`load_best_model_at_end`, `evaluate`/`predict` with base-shaped logits, gradient checkpointing, and the example."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import PeftModel, PromptTuningConfig, get_peft_model
+from safetensors.torch import load_file
+from transformers import Trainer, TrainingArguments
+
+import peft_softprompt_plus  # noqa: F401  (registers the method)
+from peft_softprompt_plus import SoftPromptPlusConfig, forward_paths
+from peft_softprompt_plus.tiny import tiny_gpt2
+
+N = 4  # virtual tokens
+LENGTH = 12  # every row is right-padded to this many tokens
+SAVED_KEY = "base_model.softprompt_plus.prompt"
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_with_trainer.py")
+
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "a soft prompt is a learned sequence of input embeddings",
+    "one two three four five six seven eight nine ten",
+    "red green blue yellow black white orange purple",
+    "cat dog bird fish horse cow sheep goat",
+    "hello world this is a tiny model for tests",
+    "positive negative review movie film great terrible good bad",
+    "answer question label sentiment topic color animal number",
+]
+
+
+def lm_dataset(tokenizer, sentences=SENTENCES) -> Dataset:
+    """Right-padded rows with labels (-100 on padding) plus a `text` column the Trainer must drop by itself."""
+    rows = {"text": [], "input_ids": [], "attention_mask": [], "labels": []}
+    for text in sentences:
+        ids = tokenizer(text)["input_ids"][:LENGTH]
+        pad = LENGTH - len(ids)
+        rows["text"].append(text)
+        rows["input_ids"].append(ids + [tokenizer.pad_token_id] * pad)
+        rows["attention_mask"].append([1] * len(ids) + [0] * pad)
+        rows["labels"].append(ids + [-100] * pad)
+    return Dataset.from_dict(rows)
+
+
+def prompted(seed: int = 0, **config):
+    config.setdefault("num_virtual_tokens", N)
+    config.setdefault("init_seed", 0)
+    return get_peft_model(tiny_gpt2(seed=seed), SoftPromptPlusConfig(task_type="CAUSAL_LM", **config))
+
+
+def prompt_of(model) -> torch.Tensor:
+    return model.base_model.softprompt_plus.prompt["default"].detach().clone()
+
+
+def args(tmp_path, **overrides) -> TrainingArguments:
+    """Everything at its default except what a CPU test needs: no logging integrations, few steps."""
+    kwargs = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2, per_device_train_batch_size=2)
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def batch_of(dataset: Dataset) -> dict:
+    return {k: torch.tensor(dataset[k]) for k in ("input_ids", "attention_mask", "labels")}
+
+
+def test_default_training_arguments_train_only_the_prompt(tmp_path, tokenizer):
+    model = prompted()
+    base_before = {k: v.clone() for k, v in model.get_base_model().state_dict().items()}
+    start = prompt_of(model)
+    data = lm_dataset(tokenizer)
+    defaults = TrainingArguments(output_dir=str(tmp_path))
+    assert defaults.remove_unused_columns is True  # the string `text` column would break the collator if kept
+
+    trainer = Trainer(model=model, args=args(tmp_path, learning_rate=1e-2), train_dataset=data)
+    result = trainer.train()
+
+    assert result.global_step == 2
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    assert not torch.equal(prompt_of(model), start)
+    assert model.base_model.softprompt_plus.prompt["default"].dtype == torch.float32
+    for name, value in model.get_base_model().state_dict().items():
+        assert torch.equal(value, base_before[name]), f"base weight {name} changed"
+    optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    assert [id(p) for p in optimized] == [id(model.base_model.softprompt_plus.prompt["default"])]
+
+
+def test_checkpoint_holds_only_the_adapter(tmp_path, tokenizer):
+    model = prompted()
+    trainer = Trainer(model=model, args=args(tmp_path, save_steps=2), train_dataset=lm_dataset(tokenizer))
+    trainer.train()
+
+    checkpoint = tmp_path / "checkpoint-2"
+    files = {p.name for p in checkpoint.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= files
+    assert not {"model.safetensors", "pytorch_model.bin", "adapter_model.bin"} & files
+    weights = load_file(str(checkpoint / "adapter_model.safetensors"))
+    assert set(weights) == {SAVED_KEY}
+    assert weights[SAVED_KEY].dtype == torch.float32
+    assert torch.equal(weights[SAVED_KEY], prompt_of(model))
+    assert json.loads((checkpoint / "adapter_config.json").read_text())["peft_type"] == "SOFTPROMPT_PLUS"
+
+    reloaded = PeftModel.from_pretrained(tiny_gpt2(), str(checkpoint))
+    assert torch.equal(prompt_of(reloaded), prompt_of(model))
+
+
+def test_resume_from_checkpoint_is_bit_identical(tmp_path, tokenizer):
+    data = lm_dataset(tokenizer)
+    common = dict(max_steps=4, save_steps=2, learning_rate=1e-2, seed=7, data_seed=7)
+
+    straight = prompted()
+    Trainer(model=straight, args=args(tmp_path / "straight", **common), train_dataset=data).train()
+
+    interrupted = prompted()
+    first = Trainer(model=interrupted, args=args(tmp_path / "resumed", **common), train_dataset=data)
+    first.train()
+    checkpoint = str(tmp_path / "resumed" / "checkpoint-2")
+    # A fresh process would start from a fresh model: a different prompt proves the checkpoint is what's restored.
+    resumed = prompted(init_seed=123)
+    second = Trainer(model=resumed, args=args(tmp_path / "resumed", **common), train_dataset=data)
+    second.train(resume_from_checkpoint=checkpoint)
+
+    assert second.state.global_step == 4
+    assert torch.equal(prompt_of(resumed), prompt_of(straight))
+    at_two = load_file(os.path.join(checkpoint, "adapter_model.safetensors"))[SAVED_KEY]
+    assert not torch.equal(at_two, prompt_of(straight))  # steps 3 and 4 really ran after the resume
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path, tokenizer):
+    data = lm_dataset(tokenizer)
+    model = prompted()
+    # Training lowers the eval loss, so asking for the *highest* one makes the best checkpoint an early one: the final
+    # prompt can then only match it if the Trainer really reloaded the adapter.
+    trainer = Trainer(
+        model=model,
+        args=args(
+            tmp_path,
+            max_steps=3,
+            learning_rate=5e-2,
+            eval_strategy="steps",
+            eval_steps=1,
+            save_steps=1,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+            greater_is_better=True,
+        ),
+        train_dataset=data,
+        eval_dataset=data,
+    )
+    trainer.train()
+
+    eval_losses = [log["eval_loss"] for log in trainer.state.log_history if "eval_loss" in log]
+    assert eval_losses[0] > eval_losses[-1], "training did not lower the eval loss; the test premise fails"
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and not best.endswith("checkpoint-3")
+    best_prompt = load_file(os.path.join(best, "adapter_model.safetensors"))[SAVED_KEY]
+    last_prompt = load_file(str(tmp_path / "checkpoint-3" / "adapter_model.safetensors"))[SAVED_KEY]
+    assert torch.equal(prompt_of(model), best_prompt)
+    assert not torch.equal(best_prompt, last_prompt)
+
+
+def reference_prompt_tuning(prompt: torch.Tensor):
+    """PEFT PROMPT_TUNING on the same base with the same prompt values: the loss oracle."""
+    ref = get_peft_model(tiny_gpt2(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=prompt.shape[0]))
+    ref.prompt_encoder["default"].embedding.weight.data.copy_(prompt)
+    return ref.eval()
+
+
+def test_evaluate_and_predict_give_base_shaped_logits_and_the_exact_loss(tmp_path, tokenizer):
+    data = lm_dataset(tokenizer)
+    model = prompted()
+    seen = {}
+
+    def compute_metrics(pred):
+        seen["shapes"] = (pred.predictions.shape, pred.label_ids.shape)
+        return {}
+
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, per_device_eval_batch_size=len(data)),
+        eval_dataset=data,
+        compute_metrics=compute_metrics,
+    )
+    metrics = trainer.evaluate()
+    out = trainer.predict(data)
+
+    vocab = model.config.vocab_size
+    assert seen["shapes"] == ((len(data), LENGTH, vocab), (len(data), LENGTH))
+    assert out.predictions.shape == (len(data), LENGTH, vocab)
+    batch = batch_of(data)
+    with torch.no_grad():
+        ref_out = reference_prompt_tuning(prompt_of(model))(**batch)
+        own = model.eval()(**batch)
+    assert metrics["eval_loss"] == pytest.approx(ref_out.loss.item(), abs=1e-5)
+    assert out.metrics["test_loss"] == pytest.approx(ref_out.loss.item(), abs=1e-5)
+    real = batch["attention_mask"].bool()
+    # PEFT's logits carry the N virtual positions; ours are the base shape, aligned with the text.
+    torch.testing.assert_close(torch.from_numpy(out.predictions)[real], ref_out.logits[:, N:][real], atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.from_numpy(out.predictions), own.logits, atol=1e-5, rtol=0)
+
+
+def test_gradient_checkpointing_trains_on_the_concat_path(tmp_path, tokenizer, monkeypatch):
+    data = lm_dataset(tokenizer)
+    cached_seen = []
+    build = forward_paths.build
+
+    def spy(model, prompt, cached, *rest):
+        cached_seen.append(cached)
+        return build(model, prompt, cached, *rest)
+
+    monkeypatch.setattr(forward_paths, "build", spy)
+    common = dict(max_steps=2, learning_rate=1e-2, seed=3, data_seed=3)
+
+    plain = prompted()
+    cached_seen.clear()  # drop the attach-time gradient probe, which runs outside the Trainer
+    Trainer(model=plain, args=args(tmp_path / "plain", **common), train_dataset=data).train()
+    assert cached_seen and all(c == N - 1 for c in cached_seen)  # shared-KV: all but the riding prompt position
+
+    checkpointed = prompted()
+    cached_seen.clear()
+    Trainer(
+        model=checkpointed, args=args(tmp_path / "ckpt", gradient_checkpointing=True, **common), train_dataset=data
+    ).train()
+    assert cached_seen and all(c == 0 for c in cached_seen)  # the automatic fallback to concatenation
+    # Same data, same semantics, different path: the two runs train the same prompt up to float rounding.
+    torch.testing.assert_close(prompt_of(checkpointed), prompt_of(plain), atol=1e-5, rtol=0)
+    assert not torch.equal(prompt_of(checkpointed), prompt_of(prompted()))
+
+
+def test_example_trains_saves_and_reloads(tmp_path):
+    spec = importlib.util.spec_from_file_location("train_with_trainer", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    report = example.main(["--output-dir", str(tmp_path), "--max-steps", "3", "--num-virtual-tokens", "4"])
+
+    assert report["final_loss"] < report["initial_loss"]
+    assert set(load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))) == {SAVED_KEY}
+    assert isinstance(report["sample"], str)
