@@ -1,0 +1,57 @@
+"""`SoftPromptPlusConfig` (config.py): validation errors and round trips."""
+
+import copy
+import pickle
+
+import pytest
+from peft import PeftConfig, get_peft_config
+
+from peft_softprompt_plus import SoftPromptPlusConfig
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_virtual_tokens": 0}, r"`num_virtual_tokens` must be >= 1, got 0"),
+        ({"num_virtual_tokens": 2.5}, r"`num_virtual_tokens` must be a positive int, got 2.5"),
+        ({"num_virtual_tokens": True}, r"`num_virtual_tokens` must be a positive int, got True"),
+        ({"prompt_init": "zeros"}, r"`prompt_init` must be one of \['random', 'vocab', 'text'\], got 'zeros'"),
+        ({"validate_gradients": "maybe"}, r"`validate_gradients` must be one of .*got 'maybe'"),
+        ({"forward_path": "fast"}, r"`forward_path` must be one of .*got 'fast'"),
+        ({"task_type": "SEQ_2_SEQ_LM"}, r"`task_type` must be one of \['CAUSAL_LM', 'SEQ_CLS'\], got 'SEQ_2_SEQ_LM'"),
+        ({"prompt_init": "text", "tokenizer_name_or_path": "tok"}, r"`prompt_init_text` must be a non-empty string"),
+        ({"prompt_init": "text", "prompt_init_text": "hi"}, r"`tokenizer_name_or_path` is needed"),
+        ({"prompt_init_text": "hi"}, r"`prompt_init_text` is only used with `prompt_init='text'`"),
+        ({"init_seed": "1"}, r"`init_seed` must be an int or None, got '1'"),
+        ({"modules_to_save": "score"}, r"`modules_to_save` must be a list of module names or None, got 'score'"),
+    ],
+)
+def test_bad_values_name_field_and_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SoftPromptPlusConfig(**kwargs)
+
+
+def test_every_field_has_help():
+    import dataclasses
+
+    own = {f.name for f in dataclasses.fields(SoftPromptPlusConfig)} - {f.name for f in dataclasses.fields(PeftConfig)}
+    assert own >= {"num_virtual_tokens", "prompt_init", "prompt_init_text", "tokenizer_name_or_path", "validate_gradients"}
+    for f in dataclasses.fields(SoftPromptPlusConfig):
+        if f.name in own:
+            assert f.metadata.get("help"), f.name
+
+
+def test_round_trips(tmp_path):
+    config = SoftPromptPlusConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=7, prompt_init="vocab", init_seed=3, validate_gradients="warn"
+    )
+    config.save_pretrained(tmp_path)
+    for loaded in (
+        PeftConfig.from_pretrained(tmp_path),
+        SoftPromptPlusConfig.from_pretrained(tmp_path),
+        get_peft_config(config.to_dict()),
+        copy.deepcopy(config),
+        pickle.loads(pickle.dumps(config)),
+    ):
+        assert type(loaded) is SoftPromptPlusConfig
+        assert loaded.to_dict() == config.to_dict()

@@ -1,0 +1,51 @@
+"""Initial prompt values (prompt_init.py)."""
+
+import pytest
+import torch
+
+from peft_softprompt_plus import SoftPromptPlusConfig
+from peft_softprompt_plus.prompt_init import initial_prompt
+
+
+def init(model, **kwargs):
+    config = SoftPromptPlusConfig(task_type="CAUSAL_LM", **kwargs)
+    return initial_prompt(config, model.get_input_embeddings(), model.config)
+
+
+def test_random_matches_embedding_statistics(make_base):
+    model = make_base()
+    wte = model.transformer.wte.weight.detach()
+    prompt = init(model, num_virtual_tokens=64, init_seed=0)
+    assert prompt.shape == (64, 64) and prompt.dtype == torch.float32
+    assert abs(prompt.std().item() - wte.std().item()) < 0.2 * wte.std().item()
+    assert abs(prompt.mean().item() - wte.mean().item()) < 0.2 * wte.std().item()
+    assert torch.equal(prompt, init(model, num_virtual_tokens=64, init_seed=0))  # seeded
+
+
+def test_vocab_copies_non_special_rows(make_base):
+    model = make_base()
+    wte = model.transformer.wte.weight.detach()
+    prompt = init(model, num_virtual_tokens=50, prompt_init="vocab", init_seed=0)
+    rows = [(wte == row).all(dim=1).nonzero().flatten().tolist() for row in prompt]
+    assert all(len(r) == 1 for r in rows)
+    assert not {r[0] for r in rows} & {0, 1}  # end-of-text and pad are excluded
+    assert prompt.untyped_storage().data_ptr() != wte.untyped_storage().data_ptr()
+
+
+def test_text_tiles_and_truncates(make_base, tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    model = make_base()
+    ids = tokenizer(" red green", add_special_tokens=False)["input_ids"]
+    wte = model.transformer.wte.weight.detach()
+    prompt = init(model, num_virtual_tokens=5, prompt_init="text", prompt_init_text=" red green", tokenizer_name_or_path=str(tmp_path))
+    expected = (ids * 5)[:5]
+    assert torch.equal(prompt, wte[expected])
+
+
+def test_text_with_a_foreign_tokenizer_is_explained(make_base, tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    small = make_base(vocab_size=10)
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 10"):
+        init(small, num_virtual_tokens=3, prompt_init="text", prompt_init_text=" red green", tokenizer_name_or_path=str(tmp_path))
+    with pytest.raises(ValueError, match="could not be loaded"):
+        init(small, num_virtual_tokens=3, prompt_init="text", prompt_init_text="x", tokenizer_name_or_path=str(tmp_path / "nope"))

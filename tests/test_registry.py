@@ -1,0 +1,46 @@
+"""Registration with PEFT (_peft_registry.py): a real `PeftType` member, idempotent imports."""
+
+import importlib
+import subprocess
+import sys
+
+import peft
+from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
+from peft.utils import PeftType
+
+import peft_softprompt_plus
+
+
+def test_peft_type_member():
+    member = PeftType("SOFTPROMPT_PLUS")
+    assert member is PeftType.SOFTPROMPT_PLUS is peft_softprompt_plus.SOFTPROMPT_PLUS
+    assert member == "SOFTPROMPT_PLUS" and member.name == "SOFTPROMPT_PLUS"
+    assert "SOFTPROMPT_PLUS" in list(PeftType) and member in PeftType
+    assert list(PeftType).count(member) == 1
+    assert PEFT_TYPE_TO_CONFIG_MAPPING[member] is peft_softprompt_plus.SoftPromptPlusConfig
+    assert PEFT_TYPE_TO_TUNER_MAPPING[member] is peft_softprompt_plus.SoftPromptPlusModel
+    assert PeftType.LORA.value == "LORA"  # the existing members are untouched
+
+
+def test_reimport_and_reload_are_harmless(make_base):
+    members = len(PeftType)
+    importlib.reload(importlib.import_module("peft_softprompt_plus._peft_registry"))
+    reloaded = importlib.reload(peft_softprompt_plus)
+    assert len(PeftType) == members
+    model = peft.get_peft_model(make_base(), reloaded.SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    assert type(model.base_model) is reloaded.SoftPromptPlusModel
+    assert peft.PeftModel.save_pretrained.__wrapped__ is not None  # hooked once, not wrapped twice
+    assert not hasattr(peft.PeftModel.save_pretrained.__wrapped__, "__wrapped__")
+
+
+def test_loading_without_the_import_fails_as_documented(tmp_path):
+    """The model card's first line exists because PEFT alone can't load this type: pin down that failure."""
+    code = (
+        "import json, pathlib, sys\n"
+        f"p = pathlib.Path({str(tmp_path)!r})\n"
+        "(p / 'adapter_config.json').write_text(json.dumps({'peft_type': 'SOFTPROMPT_PLUS'}))\n"
+        "from peft import PeftConfig\n"
+        "try:\n    PeftConfig.from_pretrained(str(p))\nexcept KeyError as e:\n    print('KeyError', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "KeyError" in out.stdout, out.stderr[-2000:]

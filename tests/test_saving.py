@@ -1,0 +1,101 @@
+"""Save/load (PEFT hooks in tuner.py, the crash-safe save in _peft_registry.py, model_card.py)."""
+
+import json
+import os
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import random_ids
+from peft import AutoPeftModelForCausalLM, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from peft_softprompt_plus import SoftPromptPlusConfig
+from peft_softprompt_plus.tiny import tiny_gpt2
+
+
+@pytest.fixture
+def trained(tiny_model_dir):
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, init_seed=0),
+    )
+    with torch.no_grad():
+        model.base_model.softprompt_plus.prompt["default"].normal_()
+    return model.eval()
+
+
+def test_saved_files_and_exact_keys(trained, tmp_path):
+    trained.save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    tensors = safetensors.torch.load_file(tmp_path / "adapter_model.safetensors")
+    assert set(tensors) == {"base_model.softprompt_plus.prompt"}
+    assert tensors["base_model.softprompt_plus.prompt"].dtype == torch.float32
+    assert torch.equal(tensors["base_model.softprompt_plus.prompt"], trained.base_model.softprompt_plus.prompt["default"])
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["peft_type"] == "SOFTPROMPT_PLUS" and config["num_virtual_tokens"] == 4
+
+
+def test_reload_gives_bit_equal_logits(trained, tiny_model_dir, tmp_path):
+    ids = random_ids(2, 6)
+    expected = trained(input_ids=ids).logits
+    trained.save_pretrained(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    loaded = PeftModel.from_pretrained(base, tmp_path)
+    assert torch.equal(loaded(input_ids=ids).logits, expected)
+    assert base.lm_head.weight is base.transformer.wte.weight
+    auto = AutoPeftModelForCausalLM.from_pretrained(tmp_path)  # base path taken from the adapter config
+    assert torch.equal(auto(input_ids=ids).logits, expected)
+    assert not any(p.requires_grad for p in loaded.parameters())  # inference by default, like any PEFT adapter
+
+
+def test_reload_trainable_and_multiple_adapters(trained, tiny_model_dir, tmp_path):
+    trained.save_pretrained(tmp_path / "a")
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "a", is_trainable=True)
+    assert [n for n, p in loaded.named_parameters() if p.requires_grad] == ["base_model.softprompt_plus.prompt.default"]
+    loaded.load_adapter(tmp_path / "a", adapter_name="second")
+    loaded.set_adapter("second")
+    ids = random_ids(1, 5)
+    torch.testing.assert_close(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
+
+
+def test_model_card(trained, tmp_path):
+    trained.save_pretrained(tmp_path / "my-adapter")
+    card = (tmp_path / "my-adapter" / "README.md").read_text()
+    assert "library_name: peft" in card and "base_model:" in card and "softprompt-plus" in card
+    snippet = card[card.index("```python") :]
+    assert snippet.splitlines()[1].startswith("import peft_softprompt_plus")
+    assert str(tmp_path / "my-adapter") in snippet
+    trained.save_pretrained(tmp_path / "my-adapter")  # re-saving keeps one section
+    assert (tmp_path / "my-adapter" / "README.md").read_text().count("## Soft prompt (peft-softprompt-plus)") == 1
+
+
+def test_wrong_base_is_explained(trained, tmp_path):
+    trained.save_pretrained(tmp_path)
+    wider = tiny_gpt2(n_embd=32)
+    with pytest.raises(ValueError, match=r"saved prompt has shape \[4, 64\].*needs \[4, 32\]"):
+        PeftModel.from_pretrained(wider, tmp_path)
+
+
+def test_failed_save_leaves_previous_adapter_intact(trained, tmp_path, monkeypatch):
+    trained.save_pretrained(tmp_path)
+    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+    with torch.no_grad():
+        trained.base_model.softprompt_plus.prompt["default"].add_(1.0)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("peft.peft_model.safe_save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        trained.save_pretrained(tmp_path)
+    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before
+    assert not [f for f in os.listdir(tmp_path.parent) if f.startswith(".softprompt-plus-save-")]
+
+
+def test_save_into_a_file_path_is_refused(trained, tmp_path):
+    target = tmp_path / "file.txt"
+    target.write_text("keep me")
+    with pytest.raises(ValueError, match="should be a directory|must be a directory"):
+        trained.save_pretrained(target)
+    assert target.read_text() == "keep me"

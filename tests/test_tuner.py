@@ -1,0 +1,124 @@
+"""Adapters and the base model (tuner.py, prompt_bank.py, tying.py): exact base outputs, untouched weights, ties."""
+
+import pytest
+import torch
+from conftest import random_ids
+from peft import get_peft_model
+
+from peft_softprompt_plus import SoftPromptPlusConfig
+
+
+def snapshot(model):
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def train_steps(model, steps=3):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ids = random_ids(2, 6)
+    model.train()
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
+def test_one_trainable_float32_tensor_not_aliasing_the_base(make_base, make_peft):
+    model = make_peft()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert [n for n, _ in trainable] == ["base_model.softprompt_plus.prompt.default"]
+    prompt = trainable[0][1]
+    assert prompt.dtype == torch.float32 and prompt.is_leaf and prompt.shape == (5, 64)
+    base_ptrs = {p.untyped_storage().data_ptr() for p in model.base_model.model.parameters()}
+    assert prompt.untyped_storage().data_ptr() not in base_ptrs
+
+
+def test_training_leaves_base_bit_identical_and_tie_intact(make_base, make_peft):
+    base = make_base()
+    before = snapshot(base)
+    wte = base.transformer.wte.weight
+    model = train_steps(make_peft(base=base, prompt_init="vocab"), steps=5)
+    after = snapshot(model.base_model.model)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert base.lm_head.weight is base.transformer.wte.weight is wte  # still one Parameter
+    assert not wte.requires_grad
+
+
+def test_prompt_stays_float32_through_half_and_to(make_peft):
+    model = make_peft()
+    prompt = model.base_model.softprompt_plus.prompt["default"]
+    model.half()
+    assert model.base_model.model.transformer.wte.weight.dtype == torch.float16
+    assert prompt.dtype == torch.float32 and model.base_model.softprompt_plus.prompt["default"] is prompt
+    model.to(torch.bfloat16)
+    assert prompt.dtype == torch.float32
+
+
+def test_disable_adapter_gives_base_outputs_exactly(make_base, make_peft):
+    model = make_peft(base=make_base(seed=1))
+    reference = make_base(seed=1)
+    ids = random_ids(2, 6)
+    with model.disable_adapter():
+        disabled = model(input_ids=ids).logits
+        gen = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(disabled, reference(input_ids=ids).logits)
+    assert torch.equal(gen, reference.generate(input_ids=ids, max_new_tokens=4, do_sample=False))
+    assert not torch.equal(model(input_ids=ids).logits[:, :1], disabled[:, :1])  # enabled again afterwards
+    assert model.base_model.softprompt_plus.prompt["default"].requires_grad
+
+
+def test_add_set_delete_adapters(make_peft):
+    model = make_peft()
+    model.add_adapter("other", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, init_seed=1))
+    bank = model.base_model.softprompt_plus
+    assert set(bank.prompt) == {"default", "other"}
+    assert bank.prompt["default"].requires_grad and not bank.prompt["other"].requires_grad
+    ids = random_ids(1, 4)
+    default_logits = model(input_ids=ids).logits
+    model.set_adapter("other")
+    assert bank.prompt["other"].requires_grad and not bank.prompt["default"].requires_grad
+    assert not torch.allclose(model(input_ids=ids).logits, default_logits)
+    model.set_adapter("default")
+    torch.testing.assert_close(model(input_ids=ids).logits, default_logits)
+    model.delete_adapter("other")
+    assert set(bank.prompt) == {"default"} and list(model.peft_config) == ["default"]
+    with pytest.raises(ValueError, match="already exists"):
+        model.add_adapter("default", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+
+
+def test_unload_returns_the_untouched_base(make_base, make_peft):
+    base = make_base()
+    flags = {n: p.requires_grad for n, p in base.named_parameters()}
+    before = snapshot(base)
+    model = train_steps(make_peft(base=base))
+    unloaded = model.unload()
+    assert unloaded is base
+    assert {n: p.requires_grad for n, p in unloaded.named_parameters()} == flags
+    assert all(torch.equal(before[k], v) for k, v in snapshot(unloaded).items())
+    assert not hasattr(unloaded, "peft_config")
+
+
+def test_merge_and_unload_is_refused(make_peft):
+    with pytest.raises(ValueError, match="cannot be merged"):
+        make_peft().merge_and_unload()
+
+
+@pytest.mark.parametrize("module", ["lm_head", "wte", "transformer.wte"])
+def test_training_a_tied_weight_is_refused(make_base, module):
+    base = make_base()
+    with pytest.raises(ValueError, match=r"tied to.*training one trains the\s+other"):
+        get_peft_model(base, SoftPromptPlusConfig(task_type="CAUSAL_LM", modules_to_save=[module]))
+    assert not any(hasattr(m, "modules_to_save") for m in base.modules())  # nothing half-attached
+
+
+def test_untied_module_to_save_trains_and_is_saved(make_base, tmp_path):
+    model = get_peft_model(make_base(), SoftPromptPlusConfig(task_type="CAUSAL_LM", modules_to_save=["ln_f"]))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "base_model.softprompt_plus.prompt.default" in trainable
+    assert any("ln_f.modules_to_save.default" in n for n in trainable)
+
+
+def test_wrong_task_for_model_is_refused(make_base):
+    with pytest.raises(ValueError, match=r"`task_type`='SEQ_CLS' needs a model with `.score`"):
+        get_peft_model(make_base(), SoftPromptPlusConfig(task_type="SEQ_CLS"))
