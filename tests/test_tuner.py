@@ -122,3 +122,14 @@ def test_untied_module_to_save_trains_and_is_saved(make_base, tmp_path):
 def test_wrong_task_for_model_is_refused(make_base):
     with pytest.raises(ValueError, match=r"`task_type`='SEQ_CLS' needs a model with `.score`"):
         get_peft_model(make_base(), SoftPromptPlusConfig(task_type="SEQ_CLS"))
+
+
+def test_failed_attach_leaves_the_base_as_it_came(make_base):
+    from peft_softprompt_plus import GradientFlowError
+
+    base = make_base()
+    base.transformer.ln_f.register_forward_hook(lambda module, args, out: out.detach())  # cuts every gradient
+    flags = {n: p.requires_grad for n, p in base.named_parameters()}
+    with pytest.raises(GradientFlowError):
+        get_peft_model(base, SoftPromptPlusConfig(task_type="CAUSAL_LM"))
+    assert {n: p.requires_grad for n, p in base.named_parameters()} == flags

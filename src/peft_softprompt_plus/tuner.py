@@ -70,18 +70,29 @@ class SoftPromptPlusModel(BaseTuner):
             self.softprompt_plus = SoftPromptBank()
             self._kv_store = generation.PromptKVStore()
         trainable = adapter_name in self.active_adapters and not config.inference_mode
-        values = initial_prompt(config, model.get_input_embeddings(), model.config)
-        self.softprompt_plus.add(adapter_name, values.to(model.get_input_embeddings().weight.device), trainable)
-        self.softprompt_plus._active_adapter = list(self.active_adapters)
-        set_additional_trainable_modules(
-            model=model,
-            peft_config=config,
-            model_config=BaseTuner.get_model_config(self),
-            adapter_name=adapter_name,
-            activate_adapter=adapter_name in self.active_adapters,
-        )
-        if trainable and config.validate_gradients != "off":
-            gradient_flow.validate_at_attach(self, adapter_name, config.validate_gradients)
+        try:
+            values = initial_prompt(config, model.get_input_embeddings(), model.config)
+            self.softprompt_plus.add(adapter_name, values.to(model.get_input_embeddings().weight.device), trainable)
+            self.softprompt_plus._active_adapter = list(self.active_adapters)
+            set_additional_trainable_modules(
+                model=model,
+                peft_config=config,
+                model_config=BaseTuner.get_model_config(self),
+                adapter_name=adapter_name,
+                activate_adapter=adapter_name in self.active_adapters,
+            )
+            if trainable and config.validate_gradients != "off":
+                gradient_flow.validate_at_attach(self, adapter_name, config.validate_gradients)
+        except Exception:
+            self._roll_back(model, adapter_name)
+            raise
+
+    def _roll_back(self, model: nn.Module, adapter_name: str) -> None:
+        """A failed attach leaves the base as it came: no half-added prompt, original `requires_grad` flags."""
+        self.softprompt_plus.prompt.pop(adapter_name, None)
+        if not self.softprompt_plus.prompt:
+            for name, param in model.named_parameters():
+                param.requires_grad_(self._base_requires_grad.get(name, param.requires_grad))
 
     @staticmethod
     def _check_model(model: nn.Module, config: SoftPromptPlusConfig, task) -> None:
