@@ -89,7 +89,8 @@ class SoftPromptPlusModel(BaseTuner):
 
     def _roll_back(self, model: nn.Module, adapter_name: str) -> None:
         """A failed attach leaves the base as it came: no half-added prompt, original `requires_grad` flags."""
-        self.softprompt_plus.prompt.pop(adapter_name, None)
+        if adapter_name in self.softprompt_plus.prompt:
+            del self.softprompt_plus.prompt[adapter_name]
         if not self.softprompt_plus.prompt:
             for name, param in model.named_parameters():
                 param.requires_grad_(self._base_requires_grad.get(name, param.requires_grad))
