@@ -35,7 +35,13 @@ def test_every_field_has_help():
     import dataclasses
 
     own = {f.name for f in dataclasses.fields(SoftPromptPlusConfig)} - {f.name for f in dataclasses.fields(PeftConfig)}
-    assert own >= {"num_virtual_tokens", "prompt_init", "prompt_init_text", "tokenizer_name_or_path", "validate_gradients"}
+    assert own >= {
+        "num_virtual_tokens",
+        "prompt_init",
+        "prompt_init_text",
+        "tokenizer_name_or_path",
+        "validate_gradients",
+    }
     for f in dataclasses.fields(SoftPromptPlusConfig):
         if f.name in own:
             assert f.metadata.get("help"), f.name

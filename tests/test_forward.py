@@ -153,10 +153,14 @@ def test_sequence_classification_fixes_peft_right_padding(make_base, make_peft):
     """PEFT prompt tuning pools index -1 (a pad) under right padding; ours equals the unpadded row."""
     ours = make_peft(task_type="SEQ_CLS").eval()
     ref = peft_reference(make_base, ours, task="SEQ_CLS").eval()
-    ref.base_model.score.modules_to_save["default"].load_state_dict(ours.base_model.model.score.modules_to_save["default"].state_dict())
+    ref.base_model.score.modules_to_save["default"].load_state_dict(
+        ours.base_model.model.score.modules_to_save["default"].state_dict()
+    )
     ids = random_ids(1, 5, seed=7)
     padded = torch.cat([ids, torch.ones(1, 2, dtype=torch.long)], 1)
     mask = torch.tensor([[1] * 5 + [0] * 2])
     torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ref(input_ids=padded, attention_mask=mask).logits, ref(input_ids=ids).logits, atol=1e-3)
-    torch.testing.assert_close(ours(input_ids=padded, attention_mask=mask).logits, ours(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        ours(input_ids=padded, attention_mask=mask).logits, ours(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+    )

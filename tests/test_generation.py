@@ -70,7 +70,9 @@ def test_beam_search_batched_equals_unbatched(model):
 def test_beam_search_cache_on_equals_off(model):
     ids = random_ids(1, 4, seed=17)
     kwargs = dict(max_new_tokens=5, num_beams=3, do_sample=False)
-    assert torch.equal(model.generate(input_ids=ids, **kwargs), model.generate(input_ids=ids, use_cache=False, **kwargs))
+    assert torch.equal(
+        model.generate(input_ids=ids, **kwargs), model.generate(input_ids=ids, use_cache=False, **kwargs)
+    )
 
 
 def test_sampling_is_seeded_and_cache_independent(model):

@@ -37,7 +37,13 @@ def test_text_tiles_and_truncates(make_base, tokenizer, tmp_path):
     model = make_base()
     ids = tokenizer(" red green", add_special_tokens=False)["input_ids"]
     wte = model.transformer.wte.weight.detach()
-    prompt = init(model, num_virtual_tokens=5, prompt_init="text", prompt_init_text=" red green", tokenizer_name_or_path=str(tmp_path))
+    prompt = init(
+        model,
+        num_virtual_tokens=5,
+        prompt_init="text",
+        prompt_init_text=" red green",
+        tokenizer_name_or_path=str(tmp_path),
+    )
     expected = (ids * 5)[:5]
     assert torch.equal(prompt, wte[expected])
 
@@ -46,6 +52,18 @@ def test_text_with_a_foreign_tokenizer_is_explained(make_base, tokenizer, tmp_pa
     tokenizer.save_pretrained(tmp_path)
     small = make_base(vocab_size=10)
     with pytest.raises(ValueError, match="outside the model's vocabulary of 10"):
-        init(small, num_virtual_tokens=3, prompt_init="text", prompt_init_text=" red green", tokenizer_name_or_path=str(tmp_path))
+        init(
+            small,
+            num_virtual_tokens=3,
+            prompt_init="text",
+            prompt_init_text=" red green",
+            tokenizer_name_or_path=str(tmp_path),
+        )
     with pytest.raises(ValueError, match="could not be loaded"):
-        init(small, num_virtual_tokens=3, prompt_init="text", prompt_init_text="x", tokenizer_name_or_path=str(tmp_path / "nope"))
+        init(
+            small,
+            num_virtual_tokens=3,
+            prompt_init="text",
+            prompt_init_text="x",
+            tokenizer_name_or_path=str(tmp_path / "nope"),
+        )

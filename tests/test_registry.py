@@ -27,7 +27,9 @@ def test_reimport_and_reload_are_harmless(make_base):
     importlib.reload(importlib.import_module("peft_softprompt_plus._peft_registry"))
     reloaded = importlib.reload(peft_softprompt_plus)
     assert len(PeftType) == members
-    model = peft.get_peft_model(make_base(), reloaded.SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    model = peft.get_peft_model(
+        make_base(), reloaded.SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    )
     assert type(model.base_model) is reloaded.SoftPromptPlusModel
     assert peft.PeftModel.save_pretrained.__wrapped__ is not None  # hooked once, not wrapped twice
     assert not hasattr(peft.PeftModel.save_pretrained.__wrapped__, "__wrapped__")

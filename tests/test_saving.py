@@ -31,7 +31,9 @@ def test_saved_files_and_exact_keys(trained, tmp_path):
     tensors = safetensors.torch.load_file(tmp_path / "adapter_model.safetensors")
     assert set(tensors) == {"base_model.softprompt_plus.prompt"}
     assert tensors["base_model.softprompt_plus.prompt"].dtype == torch.float32
-    assert torch.equal(tensors["base_model.softprompt_plus.prompt"], trained.base_model.softprompt_plus.prompt["default"])
+    assert torch.equal(
+        tensors["base_model.softprompt_plus.prompt"], trained.base_model.softprompt_plus.prompt["default"]
+    )
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config["peft_type"] == "SOFTPROMPT_PLUS" and config["num_virtual_tokens"] == 4
 
@@ -51,8 +53,12 @@ def test_reload_gives_bit_equal_logits(trained, tiny_model_dir, tmp_path):
 
 def test_reload_trainable_and_multiple_adapters(trained, tiny_model_dir, tmp_path):
     trained.save_pretrained(tmp_path / "a")
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "a", is_trainable=True)
-    assert [n for n, p in loaded.named_parameters() if p.requires_grad] == ["base_model.softprompt_plus.prompt.default"]
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "a", is_trainable=True
+    )
+    assert [n for n, p in loaded.named_parameters() if p.requires_grad] == [
+        "base_model.softprompt_plus.prompt.default"
+    ]
     loaded.load_adapter(tmp_path / "a", adapter_name="second")
     loaded.set_adapter("second")
     ids = random_ids(1, 5)

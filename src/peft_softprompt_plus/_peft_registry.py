@@ -88,9 +88,7 @@ def _atomic_save(save_into, save_directory: str):
     A failure while writing (disk full, interrupt, bad tensor) leaves the adapter already on disk untouched.
     """
     if os.path.isfile(save_directory):
-        raise ValueError(
-            f"`save_directory` must be a directory, got the file {save_directory!r}. Pass a folder path."
-        )
+        raise ValueError(f"`save_directory` must be a directory, got the file {save_directory!r}. Pass a folder path.")
     target = os.path.abspath(save_directory)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)

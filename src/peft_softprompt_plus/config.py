@@ -67,11 +67,14 @@ class SoftPromptPlusConfig(PeftConfig):
         },
     )
     prompt_init_text: Optional[str] = field(
-        default=None, metadata={"help": "The text whose token embeddings initialize the prompt (`prompt_init='text'`)."}
+        default=None,
+        metadata={"help": "The text whose token embeddings initialize the prompt (`prompt_init='text'`)."},
     )
     tokenizer_name_or_path: Optional[str] = field(
         default=None,
-        metadata={"help": "Tokenizer used to tokenize `prompt_init_text` (local path or Hub id; `prompt_init='text'`)."},
+        metadata={
+            "help": "Tokenizer used to tokenize `prompt_init_text` (local path or Hub id; `prompt_init='text'`)."
+        },
     )
     init_seed: Optional[int] = field(
         default=None,
@@ -107,7 +110,10 @@ class SoftPromptPlusConfig(PeftConfig):
         self.validate_gradients = _choice(ValidateGradients, "validate_gradients", self.validate_gradients)
         self.forward_path = _choice(ForwardPath, "forward_path", self.forward_path)
         # Checks are independent `if`s so that one bad field never hides another's message.
-        if self.task_type is not None and str(getattr(self.task_type, "value", self.task_type)) not in SUPPORTED_TASK_TYPES:
+        if (
+            self.task_type is not None
+            and str(getattr(self.task_type, "value", self.task_type)) not in SUPPORTED_TASK_TYPES
+        ):
             raise ValueError(
                 f"`task_type` must be one of {list(SUPPORTED_TASK_TYPES)}, got {self.task_type!r}. Soft prompts here "
                 "target GPT-2-style decoder models."
@@ -139,4 +145,6 @@ class SoftPromptPlusConfig(PeftConfig):
         if self.modules_to_save is not None and not (
             isinstance(self.modules_to_save, list) and all(isinstance(m, str) for m in self.modules_to_save)
         ):
-            raise ValueError(f"`modules_to_save` must be a list of module names or None, got {self.modules_to_save!r}.")
+            raise ValueError(
+                f"`modules_to_save` must be a list of module names or None, got {self.modules_to_save!r}."
+            )

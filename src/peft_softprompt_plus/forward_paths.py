@@ -24,7 +24,7 @@ class PromptedBatch:
 
 
 def prompt_cache(backbone: nn.Module, prompt: torch.Tensor) -> DynamicCache:
-    """Per-layer keys/values of `prompt` `[M, D]` at batch 1; under causal attention they are the same for every row."""
+    """Per-layer keys/values of `prompt` `[M, D]` at batch 1: under causal attention they are the same for all rows."""
     count = prompt.shape[0]
     pos = torch.arange(count, device=prompt.device).unsqueeze(0)  # [1, M]
     out = backbone(inputs_embeds=prompt.unsqueeze(0), position_ids=pos, use_cache=True)  # [1, M, D]

@@ -46,4 +46,6 @@ class SoftPromptBank(nn.Module, BaseTunerLayer):
         return None
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{name}: {list(p.shape)} {str(p.dtype).removeprefix('torch.')}" for name, p in self.prompt.items())
+        return ", ".join(
+            f"{name}: {list(p.shape)} {str(p.dtype).removeprefix('torch.')}" for name, p in self.prompt.items()
+        )

@@ -56,7 +56,7 @@ def last_real_index(mask: torch.Tensor) -> torch.Tensor:
 def check_fits(num_prompt: int, length: int, max_positions: Optional[int]) -> None:
     if max_positions is not None and num_prompt + length > max_positions:
         raise ValueError(
-            f"The prompt (num_virtual_tokens N={num_prompt}) plus the text (L={length} tokens) needs {num_prompt + length} "
-            f"positions, but the model has n_positions={max_positions}. Truncate the text to at most "
-            f"{max_positions - num_prompt} tokens or use fewer virtual tokens."
+            f"The prompt (num_virtual_tokens N={num_prompt}) plus the text (L={length} tokens) needs "
+            f"{num_prompt + length} positions, but the model has n_positions={max_positions}. Truncate the text to "
+            f"at most {max_positions - num_prompt} tokens or use fewer virtual tokens."
         )

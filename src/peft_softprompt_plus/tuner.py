@@ -190,7 +190,11 @@ class SoftPromptPlusModel(BaseTuner):
         adapter = self._active()
         if adapter is None:
             return self.model(
-                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, labels=labels, **kwargs
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                **kwargs,
             )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError(
@@ -247,8 +251,8 @@ class SoftPromptPlusModel(BaseTuner):
             value = state_dict[key]
             if value.shape != expected:
                 raise ValueError(
-                    f"The saved prompt has shape {list(value.shape)} = [num_virtual_tokens, hidden size], but this base "
-                    f"model needs {list(expected)}: the adapter was trained on a model with hidden size "
+                    f"The saved prompt has shape {list(value.shape)} = [num_virtual_tokens, hidden size], but this "
+                    f"base model needs {list(expected)}: the adapter was trained on a model with hidden size "
                     f"{value.shape[-1]}, this one has {expected[-1]}. Load it into the base model it was trained on."
                 )
             remapped[f"{bank_name}.prompt.{adapter_name}"] = value
