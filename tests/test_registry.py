@@ -46,3 +46,21 @@ def test_loading_without_the_import_fails_as_documented(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "KeyError" in out.stdout, out.stderr[-2000:]
+
+
+def test_enum_extension_on_a_fresh_str_enum():
+    """The shim itself, on an enum PEFT never sees: lookup by value and name, iteration, pickling, idempotence."""
+    import enum
+    import pickle
+
+    from peft_softprompt_plus._peft_registry import _extend_str_enum
+
+    class Kind(str, enum.Enum):
+        A = "A"
+
+    member = _extend_str_enum(Kind, "X", "X")
+    assert _extend_str_enum(Kind, "X", "X") is member
+    assert Kind("X") is Kind["X"] is Kind.X is member
+    assert list(Kind) == [Kind.A, member] and len(Kind) == 2
+    assert member == "X" and hash(member) == hash("X")
+    assert pickle.loads(pickle.dumps(member)) is member
