@@ -105,3 +105,15 @@ def test_save_into_a_file_path_is_refused(trained, tmp_path):
     with pytest.raises(ValueError, match="should be a directory|must be a directory"):
         trained.save_pretrained(target)
     assert target.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("is_trainable", [False, True])
+def test_low_cpu_mem_usage_load(trained, tiny_model_dir, tmp_path, is_trainable):
+    """PEFT builds the prompt on the meta device and fills it from the file; the probe waits for real values."""
+    trained.save_pretrained(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    loaded = PeftModel.from_pretrained(base, tmp_path, low_cpu_mem_usage=True, is_trainable=is_trainable)
+    prompt = loaded.base_model.softprompt_plus.prompt["default"]
+    assert prompt.device.type == "cpu" and prompt.dtype == torch.float32 and prompt.requires_grad == is_trainable
+    ids = random_ids(1, 5)
+    assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)

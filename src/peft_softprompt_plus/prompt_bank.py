@@ -36,6 +36,13 @@ class SoftPromptBank(nn.Module, BaseTunerLayer):
                 param.data = param.data.to(torch.float32)
         return self
 
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device=None) -> None:
+        # PEFT calls this after a `low_cpu_mem_usage` load; the bank has no base layer, and the prompt is moved to
+        # the embedding's device at the point of use, so only the float32 invariant needs restating.
+        param = self.prompt[adapter_name]
+        if param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
+
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
         raise ValueError(
             "A soft prompt cannot be merged into the model's weights: it is an input, not a weight delta. Keep the "

@@ -69,6 +69,7 @@ class SoftPromptPlusModel(BaseTuner):
             model.requires_grad_(False)
             self.softprompt_plus = SoftPromptBank()
             self._kv_store = generation.PromptKVStore()
+            self._pending_validation: set[str] = set()
         trainable = adapter_name in self.active_adapters and not config.inference_mode
         try:
             values = initial_prompt(config, model.get_input_embeddings(), model.config)
@@ -82,7 +83,8 @@ class SoftPromptPlusModel(BaseTuner):
                 activate_adapter=adapter_name in self.active_adapters,
             )
             if trainable and config.validate_gradients != "off":
-                gradient_flow.validate_at_attach(self, adapter_name, config.validate_gradients)
+                self._pending_validation.add(adapter_name)
+                self._validate_pending()
         except Exception:
             self._roll_back(model, adapter_name)
             raise
@@ -115,8 +117,25 @@ class SoftPromptPlusModel(BaseTuner):
     def _prepare_adapter_config(self, peft_config, model_config):
         return peft_config
 
+    def _validate_pending(self) -> None:
+        """Run the attach-time gradient probe for adapters whose prompt holds real values.
+
+        With `low_cpu_mem_usage=True` PEFT creates the prompt on the meta device and fills it later; PEFT calls
+        `_cast_adapter_dtype` right after loading, which is where such a deferred probe runs.
+        """
+        for name in sorted(self._pending_validation):
+            if self.softprompt_plus.prompt[name].is_meta:
+                continue
+            self._pending_validation.discard(name)
+            try:
+                gradient_flow.validate_at_attach(self, name, self.peft_config[name].validate_gradients)
+            except Exception:
+                self._roll_back(self.model, name)
+                raise
+
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
-        return None  # the bank keeps prompts float32 whatever happens to the base
+        # No cast: the bank keeps prompts float32 whatever happens to the base. PEFT calls this after loading.
+        self._validate_pending()
 
     # ------------------------------------------------------------------ adapters
 
