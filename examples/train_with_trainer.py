@@ -18,7 +18,13 @@ from typing import Optional
 import torch
 from datasets import Dataset
 from peft import PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    Trainer,
+    TrainingArguments,
+)
 
 import peft_softprompt_plus  # noqa: F401  (registers SOFTPROMPT_PLUS with PEFT; import it before any PEFT call)
 from peft_softprompt_plus import SoftPromptPlusConfig
@@ -65,7 +71,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     base, tokenizer = load_base(args.model)
-    config = SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=args.num_virtual_tokens, init_seed=args.seed)
+    config = SoftPromptPlusConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=args.num_virtual_tokens, init_seed=args.seed
+    )
     model = get_peft_model(base, config)
     model.print_trainable_parameters()
 

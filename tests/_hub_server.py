@@ -69,14 +69,18 @@ class FakeHub:
         # The real Hub refuses a local path as `base_model` (transformers#33922); mimic that one rule.
         meta = re.search(r"^base_model:\s*(\S+)\s*$", body.get("content", ""), flags=re.M)
         if meta and _looks_like_local_path(meta.group(1).strip("'\"")):
-            message = f'"base_model" with value "{meta.group(1)}" is not valid. Use a model id from https://hf.co/models.'
+            message = (
+                f'"base_model" with value "{meta.group(1)}" is not valid. Use a model id from https://hf.co/models.'
+            )
             return 400, {}, {"errors": [{"message": message}], "warnings": []}
         return 200, {}, {"errors": [], "warnings": []}
 
     def preupload(self, body: dict, match) -> tuple:
         if match["repo"] not in self.repos:
             return _repo_not_found()
-        files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None} for f in body["files"]]
+        files = [
+            {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None} for f in body["files"]
+        ]
         return 200, {}, {"files": files}
 
     def commit(self, lines: list[dict], match) -> tuple:
@@ -95,6 +99,17 @@ class FakeHub:
         oid = hashlib.sha1(json.dumps(lines, sort_keys=True).encode() + str(len(repo.commits)).encode()).hexdigest()
         repo.commits.append((oid, files))
         return 200, {}, {"commitUrl": f"{self.url}/{match['repo']}/commit/{oid}", "commitOid": oid}
+
+    def model_info(self, match) -> tuple:
+        repo = self.repos.get(match["repo"])
+        if repo is None:
+            return _repo_not_found()
+        snapshot = repo.snapshot(unquote(match["rev"] or "main"))
+        if snapshot is None:
+            return 404, {"X-Error-Code": "RevisionNotFound"}, {"error": "Invalid rev id"}
+        oid, files = snapshot
+        siblings = [{"rfilename": name} for name in sorted(files)]
+        return 200, {}, {"id": match["repo"], "sha": oid, "private": False, "siblings": siblings}
 
     def resolve(self, match, head: bool) -> tuple:
         repo = self.repos.get(match["repo"])
@@ -123,6 +138,9 @@ _POST_ROUTES = [
     (re.compile(rf"^/api/models/{_REPO}/commit/{_REV}$"), FakeHub.commit),
 ]
 _RESOLVE = re.compile(rf"^/{_REPO}/resolve/{_REV}/(?P<path>.+)$")
+_MODEL_INFO = re.compile(rf"^/api/models/{_REPO}(?:/revision/{_REV})?$")
+# Optional lookups the client makes on its own and treats any error as "none" (agent detection registry).
+_OPTIONAL = {"/api/agent-harnesses"}
 
 
 def _handler_for(hub: FakeHub):
@@ -148,10 +166,14 @@ def _handler_for(hub: FakeHub):
             path = urlparse(self.path).path
             hub.requests.append((self.command, path))
             match = _RESOLVE.match(path)
-            if match is None:
+            if match is not None:
+                return self._send(*hub.resolve(match, head=head))
+            match = _MODEL_INFO.match(path)
+            if match is not None:
+                return self._send(*hub.model_info(match))
+            if path not in _OPTIONAL:
                 hub.unhandled.append((self.command, path))
-                return self._send(404, {}, {"error": f"fake Hub: no route for {self.command} {path}"})
-            self._send(*hub.resolve(match, head=head))
+            self._send(404, {}, {"error": f"fake Hub: no route for {self.command} {path}"})
 
         def do_HEAD(self) -> None:  # noqa: N802  (http.server's naming)
             self._route_get(head=True)

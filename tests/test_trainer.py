@@ -4,17 +4,18 @@
 import importlib.util
 import json
 import os
+from typing import Optional
 
 import pytest
 import torch
 from datasets import Dataset
 from peft import PeftModel, PromptTuningConfig, get_peft_model
 from safetensors.torch import load_file
-from transformers import Trainer, TrainingArguments
+from transformers import GPTNeoConfig, GPTNeoForCausalLM, Trainer, TrainingArguments
 
 import peft_softprompt_plus  # noqa: F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig, forward_paths
-from peft_softprompt_plus.tiny import tiny_gpt2
+from peft_softprompt_plus.tiny import tiny_gpt2, tiny_tokenizer
 
 N = 4  # virtual tokens
 LENGTH = 12  # every row is right-padded to this many tokens
@@ -46,10 +47,33 @@ def lm_dataset(tokenizer, sentences=SENTENCES) -> Dataset:
     return Dataset.from_dict(rows)
 
 
-def prompted(seed: int = 0, **config):
+def tiny_gpt_neo(seed: int = 0, vocab_size: Optional[int] = None) -> GPTNeoForCausalLM:
+    """A tiny `*ForCausalLM` class: transformers gives it `loss_type='ForCausalLM'` (GPT-2's is None)."""
+    config = GPTNeoConfig(
+        vocab_size=vocab_size if vocab_size is not None else len(tiny_tokenizer()),
+        max_position_embeddings=128,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        attention_types=[[["global"], 2]],
+        embed_dropout=0.0,
+        attention_dropout=0.0,
+        resid_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    return GPTNeoForCausalLM(config).eval()
+
+
+BASES = {"gpt2": tiny_gpt2, "gpt_neo": tiny_gpt_neo}
+
+# gpt_neo guards the token count: the Trainer counts `num_items_in_batch` over `labels[..., 1:]` for models whose
+# `loss_type` is ForCausalLM (not GPT2LMHeadModel's), but with a prompt label 0 is a target too (tasks.py renames it).
+
+
+def prompted(seed: int = 0, base: str = "gpt2", **config):
     config.setdefault("num_virtual_tokens", N)
     config.setdefault("init_seed", 0)
-    return get_peft_model(tiny_gpt2(seed=seed), SoftPromptPlusConfig(task_type="CAUSAL_LM", **config))
+    return get_peft_model(BASES[base](seed=seed), SoftPromptPlusConfig(task_type="CAUSAL_LM", **config))
 
 
 def prompt_of(model) -> torch.Tensor:
@@ -67,7 +91,7 @@ def batch_of(dataset: Dataset) -> dict:
     return {k: torch.tensor(dataset[k]) for k in ("input_ids", "attention_mask", "labels")}
 
 
-def test_default_training_arguments_train_only_the_prompt(tmp_path, tokenizer):
+def test_default_training_arguments_train_only_the_prompt_and_save_only_the_adapter(tmp_path, tokenizer):
     model = prompted()
     base_before = {k: v.clone() for k, v in model.get_base_model().state_dict().items()}
     start = prompt_of(model)
@@ -75,7 +99,7 @@ def test_default_training_arguments_train_only_the_prompt(tmp_path, tokenizer):
     defaults = TrainingArguments(output_dir=str(tmp_path))
     assert defaults.remove_unused_columns is True  # the string `text` column would break the collator if kept
 
-    trainer = Trainer(model=model, args=args(tmp_path, learning_rate=1e-2), train_dataset=data)
+    trainer = Trainer(model=model, args=args(tmp_path, learning_rate=1e-2, save_steps=2), train_dataset=data)
     result = trainer.train()
 
     assert result.global_step == 2
@@ -87,12 +111,6 @@ def test_default_training_arguments_train_only_the_prompt(tmp_path, tokenizer):
     optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     assert [id(p) for p in optimized] == [id(model.base_model.softprompt_plus.prompt["default"])]
 
-
-def test_checkpoint_holds_only_the_adapter(tmp_path, tokenizer):
-    model = prompted()
-    trainer = Trainer(model=model, args=args(tmp_path, save_steps=2), train_dataset=lm_dataset(tokenizer))
-    trainer.train()
-
     checkpoint = tmp_path / "checkpoint-2"
     files = {p.name for p in checkpoint.iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json"} <= files
@@ -102,7 +120,6 @@ def test_checkpoint_holds_only_the_adapter(tmp_path, tokenizer):
     assert weights[SAVED_KEY].dtype == torch.float32
     assert torch.equal(weights[SAVED_KEY], prompt_of(model))
     assert json.loads((checkpoint / "adapter_config.json").read_text())["peft_type"] == "SOFTPROMPT_PLUS"
-
     reloaded = PeftModel.from_pretrained(tiny_gpt2(), str(checkpoint))
     assert torch.equal(prompt_of(reloaded), prompt_of(model))
 
@@ -110,15 +127,12 @@ def test_checkpoint_holds_only_the_adapter(tmp_path, tokenizer):
 def test_resume_from_checkpoint_is_bit_identical(tmp_path, tokenizer):
     data = lm_dataset(tokenizer)
     common = dict(max_steps=4, save_steps=2, learning_rate=1e-2, seed=7, data_seed=7)
-
     straight = prompted()
     Trainer(model=straight, args=args(tmp_path / "straight", **common), train_dataset=data).train()
+    # The uninterrupted run's step-2 checkpoint is exactly what a run stopped after step 2 would have left behind.
+    checkpoint = str(tmp_path / "straight" / "checkpoint-2")
 
-    interrupted = prompted()
-    first = Trainer(model=interrupted, args=args(tmp_path / "resumed", **common), train_dataset=data)
-    first.train()
-    checkpoint = str(tmp_path / "resumed" / "checkpoint-2")
-    # A fresh process would start from a fresh model: a different prompt proves the checkpoint is what's restored.
+    # A fresh process starts from a fresh model: a different prompt proves the checkpoint is what's restored.
     resumed = prompted(init_seed=123)
     second = Trainer(model=resumed, args=args(tmp_path / "resumed", **common), train_dataset=data)
     second.train(resume_from_checkpoint=checkpoint)
@@ -160,11 +174,16 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path, tokenizer
     last_prompt = load_file(str(tmp_path / "checkpoint-3" / "adapter_model.safetensors"))[SAVED_KEY]
     assert torch.equal(prompt_of(model), best_prompt)
     assert not torch.equal(best_prompt, last_prompt)
+    # Loaded in place: still the trainable leaf the optimizer holds, so training can go on from here.
+    param = model.base_model.softprompt_plus.prompt["default"]
+    assert param.requires_grad
+    assert any(p is param for group in trainer.optimizer.param_groups for p in group["params"])
 
 
-def reference_prompt_tuning(prompt: torch.Tensor):
+def reference_prompt_tuning(prompt: torch.Tensor, base: str = "gpt2"):
     """PEFT PROMPT_TUNING on the same base with the same prompt values: the loss oracle."""
-    ref = get_peft_model(tiny_gpt2(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=prompt.shape[0]))
+    config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=prompt.shape[0])
+    ref = get_peft_model(BASES[base](), config)
     ref.prompt_encoder["default"].embedding.weight.data.copy_(prompt)
     return ref.eval()
 
@@ -202,6 +221,35 @@ def test_evaluate_and_predict_give_base_shaped_logits_and_the_exact_loss(tmp_pat
     torch.testing.assert_close(torch.from_numpy(out.predictions), own.logits, atol=1e-5, rtol=0)
 
 
+class SpyingTrainer(Trainer):
+    """Records each batch `compute_loss` receives, so the test can recompute the loss on exactly that batch."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        self.batches = getattr(self, "batches", [])
+        self.batches.append({k: v.detach().clone() for k, v in inputs.items()})
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "base", ["gpt2", "gpt_neo"]
+)
+def test_logged_training_loss_is_the_prompt_tuning_loss(tmp_path, tokenizer, base):
+    data = lm_dataset(tokenizer)
+    model = prompted(base=base)
+    # lr=0 and one step: the logged loss is the initial prompt's, on the one batch the spy recorded.
+    trainer = SpyingTrainer(
+        model=model,
+        args=args(tmp_path, max_steps=1, learning_rate=0.0, logging_steps=1, per_device_train_batch_size=len(data)),
+        train_dataset=data,
+    )
+    trainer.train()
+
+    (batch,) = trainer.batches
+    with torch.no_grad():
+        expected = reference_prompt_tuning(prompt_of(model), base)(**batch).loss.item()
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(expected, abs=1e-5)
+
+
 def test_gradient_checkpointing_trains_on_the_concat_path(tmp_path, tokenizer, monkeypatch):
     data = lm_dataset(tokenizer)
     cached_seen = []
@@ -222,7 +270,7 @@ def test_gradient_checkpointing_trains_on_the_concat_path(tmp_path, tokenizer, m
     checkpointed = prompted()
     cached_seen.clear()
     Trainer(
-        model=checkpointed, args=args(tmp_path / "ckpt", gradient_checkpointing=True, **common), train_dataset=data
+        model=checkpointed, args=args(tmp_path / "ckpt", activation_checkpointing=True, **common), train_dataset=data
     ).train()
     assert cached_seen and all(c == 0 for c in cached_seen)  # the automatic fallback to concatenation
     # Same data, same semantics, different path: the two runs train the same prompt up to float rounding.

@@ -1,5 +1,5 @@
 """The one module that touches PEFT internals: the `PeftType` member, method registration, and the two
-`PeftModel` hooks (model card, crash-safe save) that PEFT offers no public extension point for."""
+`PeftModel` hooks (model card, crash-safe save, Hub push) that PEFT offers no public extension point for."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ def _install_peft_model_hooks() -> None:
         return
     original_card = PeftModel.create_or_update_model_card
     original_save = PeftModel.save_pretrained
+    original_push = PeftModel.push_to_hub
 
     @functools.wraps(original_card)
     def create_or_update_model_card(self, output_dir: str):
@@ -77,8 +78,17 @@ def _install_peft_model_hooks() -> None:
             return original_save(self, save_directory, *args, is_main_process=is_main_process, **kwargs)
         return _atomic_save(functools.partial(original_save, self, *args, **kwargs), save_directory)
 
+    @functools.wraps(original_push)
+    def push_to_hub(self, repo_id: str, *args, **kwargs):
+        if not _is_ours(self):
+            return original_push(self, repo_id, *args, **kwargs)
+        from .hub import push_to_hub as push  # transformers' generic push would replace our model card
+
+        return push(self, repo_id, *args, **kwargs)
+
     PeftModel.create_or_update_model_card = create_or_update_model_card
     PeftModel.save_pretrained = save_pretrained
+    PeftModel.push_to_hub = push_to_hub
     PeftModel._softprompt_plus_hooked = True
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from typing import Optional, Sequence
 
 
@@ -10,6 +12,26 @@ def _demo(args) -> int:
     from .demo import main
 
     return main(args)
+
+
+def _inspect(args) -> int:
+    # Imported here so that `--help` stays instant: this pulls in torch and transformers.
+    from .inspect_adapter import inspect_adapter
+
+    try:
+        report = inspect_adapter(args.adapter, base=args.base, top_k=args.top_k)
+    except (ValueError, OSError) as err:
+        print(f"softprompt-plus inspect: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=None, help="Where to save the adapter (default: a temp dir).")
     demo.add_argument("--seed", type=int, default=0, help="Random seed (default 0).")
     demo.set_defaults(func=_demo)
+
+    inspect = sub.add_parser(
+        "inspect",
+        help="Show a saved adapter's config, prompt norms and nearest vocabulary tokens.",
+        description="Print a softprompt-plus adapter's config, the L2 norm of each virtual token and, when a base "
+        "model is available, the vocabulary tokens nearest to each virtual token (cosine similarity against the "
+        "base model's input embedding matrix). The base defaults to the adapter config's base_model_name_or_path "
+        "when that is a local folder.",
+    )
+    inspect.add_argument("adapter", help="Adapter folder written by save_pretrained, or a Hub repo id.")
+    inspect.add_argument("--base", default=None, help="Base model folder (or Hub id) the adapter was trained on.")
+    inspect.add_argument(
+        "--top-k", type=_positive_int, default=5, help="Nearest tokens per virtual token (default 5)."
+    )
+    inspect.add_argument("--json", action="store_true", help="Print the report as JSON.")
+    inspect.set_defaults(func=_inspect)
     return parser
 
 

@@ -3,16 +3,36 @@ outputs are cut back to the base model's shapes."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import nn
-from transformers.loss.loss_utils import ForSequenceClassificationLoss
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForSequenceClassificationLoss
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from . import semantics
 from .forward_paths import PromptedBatch
+
+# transformers' Trainer counts `num_items_in_batch` over `labels[..., 1:]` when a model's `loss_type` maps to
+# ForCausalLMLoss itself (every `*ForCausalLM` class), and over all labels otherwise (GPT2LMHeadModel). With a prompt
+# every label is a target (the last prompt position predicts label 0), so such models get the same loss under a name
+# the Trainer does not take for a shifting one; TRL divides by the Trainer's count too.
+PROMPTED_CAUSAL_LM_LOSS = "ForSoftPromptedCausalLM"
+
+
+@functools.wraps(ForCausalLMLoss)
+def _prompted_causal_lm_loss(*args, **kwargs):
+    return ForCausalLMLoss(*args, **kwargs)
+
+
+LOSS_MAPPING.setdefault(PROMPTED_CAUSAL_LM_LOSS, _prompted_causal_lm_loss)
+
+
+def _count_every_label(model: nn.Module) -> None:
+    if LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss:
+        model.loss_type = PROMPTED_CAUSAL_LM_LOSS
 
 
 def _strip(output, riding: int, length: int):
@@ -64,9 +84,10 @@ class Task:
     run: Callable
     riding_when_shared: int  # prompt positions that must run with the text on the shared-KV path
     needs: str  # attribute the wrapped model must have
+    on_attach: Callable = lambda model: None  # adjusts the base model once, when the first adapter is attached
 
 
 TASKS: dict[str, Task] = {
-    "CAUSAL_LM": Task(run=_causal_lm, riding_when_shared=1, needs="lm_head"),
+    "CAUSAL_LM": Task(run=_causal_lm, riding_when_shared=1, needs="lm_head", on_attach=_count_every_label),
     "SEQ_CLS": Task(run=_sequence_classification, riding_when_shared=0, needs="score"),
 }

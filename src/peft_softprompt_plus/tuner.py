@@ -66,6 +66,8 @@ class SoftPromptPlusModel(BaseTuner):
         if _BANK not in self._modules:
             # Recorded once, so `unload()` can hand back the base model exactly as it came.
             self._base_requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
+            self._base_loss_type = getattr(model, "loss_type", None)
+            task.on_attach(model)
             model.requires_grad_(False)
             self.softprompt_plus = SoftPromptBank()
             self._kv_store = generation.PromptKVStore()
@@ -171,6 +173,8 @@ class SoftPromptPlusModel(BaseTuner):
     def unload(self) -> nn.Module:
         """Return the base model exactly as it came: same objects, same weights, same `requires_grad` flags."""
         model = self._unload_and_optionally_merge(merge=False)
+        if hasattr(model, "loss_type"):
+            model.loss_type = self._base_loss_type
         for name, param in model.named_parameters():
             param.requires_grad_(self._base_requires_grad.get(name, param.requires_grad))
         return model

@@ -1,0 +1,64 @@
+"""Data-parallel training on the CPU (gloo, 2 processes) through the launchers users type: `torchrun` and
+`accelerate launch`. Each rank writes what it ended with; the ranks must agree bit for bit and have trained."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+WORKER = os.path.join(os.path.dirname(__file__), "_ddp_worker.py")
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+            "--master_addr", "127.0.0.1", "--master_port", str(port)]  # fmt: skip
+
+
+def _accelerate(port: int) -> list[str]:
+    # `--multi_gpu` is accelerate's name for its torchrun-based multi-process launcher; on a machine without GPUs the
+    # worker's `use_cpu=True` keeps it on the CPU with gloo. (`--cpu` alone starts a single process.)
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]  # fmt: skip
+
+
+LAUNCHERS = {"torchrun": _torchrun, "accelerate": _accelerate}
+# Trainer defaults on one launcher; on the other, the faster setting the docs recommend, with gradient checkpointing.
+WORKER_FLAGS = {"torchrun": [], "accelerate": ["--no-find-unused", "--checkpointing"]}
+
+
+def _launch(launcher: str, out) -> list[dict]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = LAUNCHERS[launcher](_free_port()) + [WORKER, "--out", str(out), *WORKER_FLAGS[launcher]]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, (
+        f"{launcher} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
+def test_two_ranks_end_with_bit_identical_trained_prompts(tmp_path, launcher):
+    rank0, rank1 = _launch(launcher, tmp_path)
+
+    for state in (rank0, rank1):
+        assert state["world_size"] == 2
+        assert state["backend"] == "gloo"
+        assert len(state["seen"]) == 3
+        assert state["checkpointing"] == ("--checkpointing" in WORKER_FLAGS[launcher])
+    # The ranks trained on different shards, so only the gradient all-reduce can make them agree.
+    assert not any(torch.equal(a, b) for a, b in zip(rank0["seen"], rank1["seen"], strict=True))
+    assert torch.equal(rank0["initial"], rank1["initial"])
+    assert torch.equal(rank0["final"], rank1["final"])
+    assert rank0["final"].dtype == torch.float32
+    assert not torch.equal(rank0["final"], rank0["initial"])
