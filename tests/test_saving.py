@@ -79,8 +79,10 @@ def test_model_card(trained, tmp_path):
 def test_wrong_base_is_explained(trained, tmp_path):
     trained.save_pretrained(tmp_path)
     wider = tiny_gpt2(n_embd=32)
+    flags = {n: p.requires_grad for n, p in wider.named_parameters()}
     with pytest.raises(ValueError, match=r"saved prompt has shape \[4, 64\].*needs \[4, 32\]"):
-        PeftModel.from_pretrained(wider, tmp_path)
+        PeftModel.from_pretrained(wider, tmp_path, is_trainable=True)
+    assert {n: p.requires_grad for n, p in wider.named_parameters()} == flags  # the caller's base is untouched
 
 
 def test_failed_save_leaves_previous_adapter_intact(trained, tmp_path, monkeypatch):

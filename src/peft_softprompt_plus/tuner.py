@@ -99,6 +99,12 @@ class SoftPromptPlusModel(BaseTuner):
             for name, param in model.named_parameters():
                 param.requires_grad_(self._base_requires_grad.get(name, param.requires_grad))
 
+    def _abandon_load(self, adapter_name: str) -> None:
+        """A load that can't fit drops the adapter it just added, so the base model is handed back as it came."""
+        self._pending_validation.discard(adapter_name)
+        self._roll_back(self.model, adapter_name)
+        self.peft_config.pop(adapter_name, None)
+
     @staticmethod
     def _check_model(model: nn.Module, config: SoftPromptPlusConfig, task) -> None:
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -262,8 +268,10 @@ class SoftPromptPlusModel(BaseTuner):
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
         bank_name, bank = next((n, m) for n, m in model.named_modules() if isinstance(m, SoftPromptBank))
+        tuner = next(m for m in model.modules() if isinstance(m, SoftPromptPlusModel))
         saved = [k for k in state_dict if k.endswith(_SAVED_KEY)]
         if not saved:
+            tuner._abandon_load(adapter_name)
             raise ValueError(
                 f"The adapter weights hold no soft prompt (no key ending in {_SAVED_KEY!r}; found "
                 f"{sorted(state_dict)[:5]}). This is not a softprompt-plus adapter, or the file is damaged."
@@ -273,6 +281,7 @@ class SoftPromptPlusModel(BaseTuner):
         for key in saved:
             value = state_dict[key]
             if value.shape != expected:
+                tuner._abandon_load(adapter_name)
                 raise ValueError(
                     f"The saved prompt has shape {list(value.shape)} = [num_virtual_tokens, hidden size], but this "
                     f"base model needs {list(expected)}: the adapter was trained on a model with hidden size "
