@@ -29,12 +29,19 @@ class SoftPromptBank(nn.Module, BaseTunerLayer):
 
     def _apply(self, fn, recurse: bool = True):
         # `model.half()` / `.to(torch.bfloat16)` move the prompt but must not lower it: GradScaler refuses fp16
-        # gradients and small updates vanish in bf16. `.data` assignment keeps the same leaf for the optimizer.
+        # gradients and small updates vanish in bf16. Take only the device from `fn` and copy back the float32 values
+        # we held (lifting fn's fp16 result would round them). `.data` assignment keeps the optimizer's leaf.
+        kept = {name: param.data for name, param in self.prompt.items()}
         super()._apply(fn, recurse=recurse)
-        for param in self.prompt.values():
+        for name, param in self.prompt.items():
             if param.dtype != torch.float32:
-                param.data = param.data.to(torch.float32)
+                param.data = kept[name].to(device=param.device)
         return self
+
+    @property
+    def weight(self):
+        # BaseTunerLayer.weight looks for a base layer and recurses forever on a module that has none.
+        raise AttributeError("SoftPromptBank has no `weight`; the prompts are in `.prompt[adapter_name]`.")
 
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device=None) -> None:
         # PEFT calls this after a `low_cpu_mem_usage` load; the bank has no base layer, and the prompt is moved to

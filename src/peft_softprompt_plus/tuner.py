@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, delete_adapter, set_adapter, set_requires_grad
 from peft.utils import set_additional_trainable_modules
-from peft.utils.other import AuxiliaryTrainingWrapper
+from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
 from . import forward_paths, generation, gradient_flow, semantics, tying
@@ -40,6 +40,21 @@ def _checkpointing(model: nn.Module) -> bool:
     flag = getattr(type(model), "is_activation_checkpointing", None)
     name = "is_activation_checkpointing" if flag is not None else "is_gradient_checkpointing"
     return bool(getattr(model, name, False))
+
+
+def _input_to_own_dtype(module: nn.Module, args: tuple) -> tuple:
+    dtype = next(module.parameters()).dtype  # read per call: `.half()` after attach lowers the module again
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def _lift_to_float32(module: nn.Module) -> None:
+    """Float32 weights for a trainable copy fed by a low-precision base; it casts its own input. Idempotent."""
+    for param in module.parameters():
+        if param.dtype in (torch.float16, torch.bfloat16):
+            param.data = param.data.float()
+    if not getattr(module, "_softprompt_plus_casts_input", False):
+        module.register_forward_pre_hook(_input_to_own_dtype)
+        module._softprompt_plus_casts_input = True
 
 
 class SoftPromptPlusModel(BaseTuner):
@@ -142,7 +157,13 @@ class SoftPromptPlusModel(BaseTuner):
                 raise
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
-        # No cast: the bank keeps prompts float32 whatever happens to the base. PEFT calls this after loading.
+        # The bank keeps prompts float32 by itself. A `modules_to_save` copy (the SEQ_CLS `score` head) starts in the
+        # base dtype, and GradScaler refuses fp16 gradients: lift it to float32 as PEFT lifts LoRA weights. PEFT
+        # calls this after attaching and after loading; the probe then sees the dtypes training will see.
+        if autocast_adapter_dtype:
+            for wrapper in self.model.modules():
+                if isinstance(wrapper, ModulesToSaveWrapper) and adapter_name in wrapper.modules_to_save:
+                    _lift_to_float32(wrapper.modules_to_save[adapter_name])
         self._validate_pending()
 
     # ------------------------------------------------------------------ adapters
