@@ -5,8 +5,16 @@
 """
 
 from ._peft_registry import SOFTPROMPT_PLUS, register
+from .callbacks import GradientFlowCallback
 from .config import SoftPromptPlusConfig
-from .gradient_flow import GradientFlowError
+from .gradient_flow import (
+    FINDING_CODES,
+    Finding,
+    GradientFlowError,
+    GradientFlowReport,
+    GradientFlowWarning,
+    check_gradient_flow,
+)
 from .tuner import SoftPromptPlusModel
 
 register(SoftPromptPlusConfig, SoftPromptPlusModel)
@@ -14,9 +22,15 @@ register(SoftPromptPlusConfig, SoftPromptPlusModel)
 __version__ = "0.1.0"
 
 __all__ = [
+    "FINDING_CODES",
     "SOFTPROMPT_PLUS",
+    "Finding",
+    "GradientFlowCallback",
     "GradientFlowError",
+    "GradientFlowReport",
+    "GradientFlowWarning",
     "SoftPromptPlusConfig",
     "SoftPromptPlusModel",
     "__version__",
+    "check_gradient_flow",
 ]

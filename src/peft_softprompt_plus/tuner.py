@@ -99,7 +99,8 @@ class SoftPromptPlusModel(BaseTuner):
                 adapter_name=adapter_name,
                 activate_adapter=adapter_name in self.active_adapters,
             )
-            if trainable and config.validate_gradients != "off":
+            # Inactive adapters (add_adapter) are probed too: validate_at_attach activates them for the probe.
+            if not config.inference_mode and config.validate_gradients != "off":
                 self._pending_validation.add(adapter_name)
                 self._validate_pending()
         except Exception:
