@@ -64,7 +64,6 @@ import subprocess
 import sys
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -77,12 +76,13 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from peft import PromptTuningConfig, get_peft_model  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import peft_softprompt_plus  # noqa: E402,F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_memory import LiveBytes  # noqa: E402  (one memory measure for both benchmarks)
 
 MB = 2**20
 PAD_ID = 1
@@ -252,37 +252,6 @@ def _ratio(times: dict[str, Timings], num: str, den: str) -> tuple[float, float]
 # ---------------------------------------------------------------------------------------------------- memory
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Running and peak bytes of the storages that ops return while active; freed storages leave via weakrefs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._refs: dict[int, weakref.ref] = {}
-
-    def _track(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        key = id(storage)  # one Python object per live storage, so `id` is stable until the weakref fires
-        if key in self._refs or storage.nbytes() == 0:
-            return
-        size = storage.nbytes()
-
-        def freed(_ref, key=key, size=size):
-            self._refs.pop(key, None)
-            self.live -= size
-
-        self._refs[key] = weakref.ref(storage, freed)
-        self.live += size
-        self.peak = max(self.peak, self.live)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for item in tree_flatten(out)[0]:
-            if isinstance(item, torch.Tensor) and item.device.type != "meta":
-                self._track(item)
-        return out
-
-
 def step_memory(step: Callable[[], torch.Tensor], model: nn.Module) -> tuple[int, int]:
     """(peak live bytes, bytes saved for backward) of one step; weights are excluded from both."""
     weights = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
@@ -295,7 +264,8 @@ def step_memory(step: Callable[[], torch.Tensor], model: nn.Module) -> tuple[int
         return tensor
 
     gc.collect()
-    mode = _LiveBytes()
+    # bench_memory's tracker: views of resident weights (`w.t()` inside linear) allocate nothing and are not counted.
+    mode = LiveBytes(weight_shapes=set(), resident=weights)
     with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
     return mode.peak, sum(saved.values())

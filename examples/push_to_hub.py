@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+# Inline rather than from peft_softprompt_plus.tiny: nothing that imports huggingface_hub may load before the
+# endpoint is set. Replace with your own texts.
 TEXTS = [
     "red green blue yellow black white orange purple",
     "cat dog bird fish horse cow sheep goat",

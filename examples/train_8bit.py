@@ -25,14 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 import peft_softprompt_plus  # noqa: F401  (registers SOFTPROMPT_PLUS with PEFT; import it before any PEFT call)
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.tiny import save_tiny
+from peft_softprompt_plus.tiny import SAMPLE_TEXTS, save_tiny
 
-TEXTS = [
-    "red green blue yellow black white orange purple",
-    "cat dog bird fish horse cow sheep goat",
-    "red blue green cat dog bird",
-    "white black orange horse cow sheep",
-]
+TEXTS = SAMPLE_TEXTS[:4]  # replace with your own texts
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -28,19 +28,9 @@ from transformers import (
 
 import peft_softprompt_plus  # noqa: F401  (registers SOFTPROMPT_PLUS with PEFT; import it before any PEFT call)
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.tiny import tiny_gpt2, tiny_tokenizer
+from peft_softprompt_plus.tiny import SAMPLE_TEXTS, tiny_gpt2, tiny_tokenizer
 
-# A toy "style" to learn: colour and animal lists. Replace with your own texts.
-TEXTS = [
-    "red green blue yellow black white orange purple",
-    "cat dog bird fish horse cow sheep goat",
-    "red blue green cat dog bird",
-    "white black orange horse cow sheep",
-    "yellow purple red goat fish bird",
-    "green white blue dog cat horse",
-    "orange red black sheep goat cow",
-    "purple yellow green fish bird dog",
-]
+TEXTS = SAMPLE_TEXTS  # replace with your own texts
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

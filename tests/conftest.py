@@ -15,6 +15,15 @@ from peft_softprompt_plus import SoftPromptPlusConfig  # noqa: E402
 from peft_softprompt_plus.tiny import save_tiny, tiny_gpt2, tiny_tokenizer  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    # Tiny models gain nothing from intra-op threads, and on a shared CPU the spinning threads cost seconds.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

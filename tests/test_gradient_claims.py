@@ -14,15 +14,6 @@ from peft_softprompt_plus import GradientFlowWarning, check_gradient_flow
 N, D = 4, 64  # virtual tokens, tiny GPT-2 width
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a shared CPU the spinning threads cost seconds.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _frozen(make_base, **overrides):
     base = make_base(**overrides)
     base.requires_grad_(False)

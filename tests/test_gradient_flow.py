@@ -37,15 +37,6 @@ ISSUE_CODES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a shared CPU the spinning threads cost seconds.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _prompt(model):
     return model.base_model.softprompt_plus.prompt["default"]
 

@@ -25,6 +25,19 @@ _CORPUS = [
 ]
 
 
+# A toy "style" for the examples to learn: colour and animal lists, all in the tiny tokenizer's vocabulary.
+SAMPLE_TEXTS = [
+    "red green blue yellow black white orange purple",
+    "cat dog bird fish horse cow sheep goat",
+    "red blue green cat dog bird",
+    "white black orange horse cow sheep",
+    "yellow purple red goat fish bird",
+    "green white blue dog cat horse",
+    "orange red black sheep goat cow",
+    "purple yellow green fish bird dog",
+]
+
+
 def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on an embedded corpus; ids 0/1 are end-of-text and pad."""
     tok = Tokenizer(models.BPE())
