@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import Optional
 
 import torch
@@ -36,7 +37,7 @@ TEXTS = SAMPLE_TEXTS  # replace with your own texts
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="Base causal LM (folder or Hub id); default: the tiny GPT-2.")
-    parser.add_argument("--output-dir", default="softprompt-trainer-out")
+    parser.add_argument("--output-dir", default=None, help="Checkpoints and the adapter; default: a temp folder.")
     parser.add_argument("--num-virtual-tokens", type=int, default=8)
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--learning-rate", type=float, default=3e-2)
@@ -70,10 +71,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     data = Dataset.from_dict({"text": TEXTS}).map(
         lambda row: tokenizer(row["text"], truncation=True, max_length=args.max_length), remove_columns=["text"]
     )
+    output_dir = args.output_dir or tempfile.mkdtemp(prefix="softprompt-trainer-")
     trainer = Trainer(
         model=model,
         args=TrainingArguments(
-            output_dir=args.output_dir,
+            output_dir=output_dir,
             max_steps=args.max_steps,
             per_device_train_batch_size=args.batch_size,
             learning_rate=args.learning_rate,
@@ -92,7 +94,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     final_loss = trainer.evaluate()["eval_loss"]
 
     # Only the prompt is written (a few KB), never the base weights.
-    adapter_dir = os.path.join(args.output_dir, "adapter")
+    adapter_dir = os.path.join(output_dir, "adapter")
     model.save_pretrained(adapter_dir)
 
     fresh_base, _ = load_base(args.model)
