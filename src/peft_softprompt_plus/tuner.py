@@ -5,6 +5,7 @@ PEFT calls into it as it would into LoRA; the prompt itself lives in a `SoftProm
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Optional
 
@@ -30,8 +31,10 @@ def _task_name(config: SoftPromptPlusConfig) -> str:
     return str(getattr(task, "value", task))
 
 
-def _accepts_cache(model: nn.Module) -> bool:
-    params = inspect.signature(model.forward).parameters
+@functools.lru_cache(maxsize=None)
+def _accepts_cache(model_cls: type) -> bool:
+    # Per class, once: `inspect.signature` on every forward would sit on the hot path.
+    params = inspect.signature(model_cls.forward).parameters
     return "cache" in params or "past_key_values" in params
 
 
@@ -233,7 +236,7 @@ class SoftPromptPlusModel(BaseTuner):
                 "cache that carries the prompt. Use `forward_path='auto'` (falls back to concatenation) or 'concat'."
             )
         if path == ForwardPath.AUTO.value:
-            shared = not checkpointing and _accepts_cache(self.model)
+            shared = not checkpointing and _accepts_cache(type(self.model))
             path = ForwardPath.SHARED_KV.value if shared else ForwardPath.CONCAT.value
         return num_prompt - task.riding_when_shared if path == ForwardPath.SHARED_KV.value else 0
 
