@@ -261,7 +261,8 @@ class SoftPromptPlusModel(BaseTuner):
                 raise ValueError(
                     f"`{key}` can't be passed to a soft-prompted forward, got a {type(kwargs[key]).__name__}: the "
                     "prompt owns positions 0..N-1 and the cache. Positions come from `attention_mask`; for "
-                    "incremental decoding use `model.generate()`."
+                    "incremental decoding use `model.generate()`; with TRL, turn off `packing` and `padding_free` "
+                    "(one prompt can't sit in front of each packed document)."
                 )
         if self.training and not torch.is_grad_enabled():
             gradient_flow.warn_grad_disabled_once(self)
