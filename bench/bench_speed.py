@@ -80,6 +80,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import peft_softprompt_plus  # noqa: E402,F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig  # noqa: E402
+from peft_softprompt_plus.tiny import tiny_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory import LiveBytes  # noqa: E402  (one memory measure for both benchmarks)
@@ -105,19 +106,8 @@ class Shape:
     warmup: int
 
     def config(self) -> GPT2Config:
-        return GPT2Config(
-            n_layer=self.n_layer,
-            n_embd=self.n_embd,
-            n_head=self.n_head,
-            vocab_size=self.vocab,
-            n_positions=1024,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=PAD_ID,
-        )
+        # The library's tiny config (dropout off, ids 0/1 special) at this shape.
+        return tiny_config(self.vocab, n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head, n_positions=1024)
 
     def describe(self) -> str:
         return (
