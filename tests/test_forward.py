@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import random_ids
 from peft import PromptTuningConfig, get_peft_model
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 N = 5
 
@@ -70,6 +71,80 @@ def test_shared_kv_equals_concat(make_base, make_peft):
     (ga,) = torch.autograd.grad(out_a.loss, prompt_of(a))
     (gb,) = torch.autograd.grad(out_b.loss, prompt_of(b))
     assert rel(ga, gb) <= 1e-5
+
+
+def _labels_variants(ids):
+    all_text = ids.clone()
+    first_masked = ids.clone()
+    first_masked[:, 0] = -100  # completion-only losses mask the start of every row
+    some = ids.clone()
+    some[1, :4] = -100
+    return {"all": all_text, "first_masked": first_masked, "some": some}
+
+
+@pytest.mark.parametrize("which", ["all", "first_masked", "some"])
+@pytest.mark.parametrize("num_items", [None, 11])
+def test_first_token_from_the_shared_pass_matches_peft(make_base, make_peft, which, num_items):
+    # The shared pass predicts text token 0 once for every row; with the Trainer's `num_items_in_batch` the loss
+    # is a sum over that count, as in PEFT, and otherwise a mean over every labelled token.
+    ours = make_peft(num_virtual_tokens=N, forward_path="shared_kv")
+    ref = peft_reference(make_base, ours)
+    ids = random_ids(3, 8, seed=4)
+    labels = _labels_variants(ids)[which]
+    extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    out, ref_out = ours(input_ids=ids, labels=labels, **extra), ref(input_ids=ids, labels=labels, **extra)
+    torch.testing.assert_close(out.loss, ref_out.loss, atol=1e-6, rtol=1e-5)
+    (g,) = torch.autograd.grad(out.loss, prompt_of(ours))
+    (g_ref,) = torch.autograd.grad(ref_out.loss, ref.prompt_encoder["default"].embedding.weight)
+    assert rel(g, g_ref) <= 1e-4
+
+
+def test_no_prompt_position_runs_per_row(make_peft):
+    # The LM head sees the text's rows and, once, the last prompt position: no per-row logits at the prompt.
+    model = make_peft(num_virtual_tokens=N, forward_path="shared_kv")
+    seen = []
+    model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    ids = random_ids(3, 7)
+    model(input_ids=ids, labels=ids)
+    width = model.config.n_embd
+    assert sorted(seen) == [(1, width), (3, 7, width)]
+
+
+def test_a_custom_loss_function_keeps_the_prompt_position_riding(make_base, make_peft):
+    # The once-for-all first-token term assumes ForCausalLMLoss's `sum / num_items_in_batch`. Any other loss (this
+    # one always averages) gets the last prompt position with the text, so it sees every prediction, as in PEFT.
+    def mean_only(logits, labels, vocab_size, **kwargs):
+        return ForCausalLMLoss(logits, labels, vocab_size)
+
+    base, ref_base = make_base(), make_base()
+    base.loss_function = ref_base.loss_function = mean_only
+    ours = make_peft(base=base, num_virtual_tokens=N, forward_path="shared_kv")
+    ref = get_peft_model(ref_base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=N))
+    with torch.no_grad():
+        ref.prompt_encoder["default"].embedding.weight.copy_(prompt_of(ours))
+    ids = random_ids(2, 6)
+    torch.testing.assert_close(ours(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_one_shared_mask_for_unpadded_rows(make_base, make_peft, attn, monkeypatch):
+    # Unpadded batches get one [1, 1, L, N+L] mask in the form each attention reads; padded ones the 2-D mask.
+    seen = []
+    base = make_base()
+    base.set_attn_implementation(attn)
+    base.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["attention_mask"].shape), with_kwargs=True)
+    shared = make_peft(base=base, forward_path="shared_kv").eval()
+    concat = make_peft(forward_path="concat").eval()
+    ids = random_ids(3, 7)
+    seen.clear()
+    torch.testing.assert_close(shared(input_ids=ids).logits, concat(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    got = shared(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    torch.testing.assert_close(
+        got, concat(input_ids=ids, attention_mask=mask).logits[mask.bool()], atol=1e-5, rtol=1e-5
+    )
+    assert seen == [torch.Size([1, 1, 7, 12]), torch.Size([3, 12])]
 
 
 @pytest.mark.parametrize("forward_path", ["shared_kv", "concat"])

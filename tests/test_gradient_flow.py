@@ -111,18 +111,18 @@ def test_attach_raise_warn_off_on_a_model_that_cuts_the_graph(make_base, make_pe
         make_peft(base=base, validate_gradients="off")
 
 
+def _detach_last_row(module, args, kwargs):
+    embeds = kwargs.get("inputs_embeds")  # [1, N, D] on the shared pass; the text comes as ids
+    if embeds is None:
+        return None
+    return args, {**kwargs, "inputs_embeds": torch.cat([embeds[:, :-1], embeds[:, -1:].detach()], dim=1)}
+
+
 def test_probe_checks_every_prompt_row(make_base, make_peft):
-    # Shared-KV path: rows 0..N-2 reach the loss through the cache, row N-1 rides in `inputs_embeds`. Detaching
-    # only `inputs_embeds` starves that one row, and the probe must name it.
+    # Shared-KV path: every prompt row reaches the loss through the shared pass. Cutting only the last row there
+    # starves that one row, and the probe must name it.
     base = make_base()
-    base.register_forward_pre_hook(
-        lambda m, args, kwargs: (
-            (args, {**kwargs, "inputs_embeds": kwargs["inputs_embeds"].detach()})
-            if kwargs.get("inputs_embeds") is not None
-            else None
-        ),
-        with_kwargs=True,
-    )
+    base.transformer.register_forward_pre_hook(_detach_last_row, with_kwargs=True)
     with pytest.raises(GradientFlowError, match=r"rows \[4\] of its 5 rows") as err:
         make_peft(base=base, num_virtual_tokens=5, forward_path="shared_kv")
     assert [f.code for f in err.value.findings] == ["zero_gradient"]

@@ -19,6 +19,8 @@ from peft_softprompt_plus import SoftPromptPlusConfig, gradient_flow
 
 N = 5
 SAVED_KEY = "base_model.softprompt_plus.prompt"
+
+
 def _int8(path):
     quant = BitsAndBytesConfig(load_in_8bit=True)
     return GPT2LMHeadModel.from_pretrained(path, quantization_config=quant, device_map="cpu")

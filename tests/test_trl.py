@@ -156,14 +156,16 @@ def reference(base, prompt: torch.Tensor, batch: dict) -> dict:
 
 
 @pytest.mark.parametrize(
-    "base_name, kind",
+    "base_name, kind, checkpointing",
     [
-        ("gpt2", "greedy"),
-        ("gpt2", "prompt_completion"),
-        ("gpt_neo", "greedy"),
+        ("gpt2", "greedy", True),
+        ("gpt2", "prompt_completion", True),
+        ("gpt_neo", "greedy", True),
+        # Without checkpointing the shared-KV path runs, and TRL's fused head must still see token 0's prediction.
+        ("gpt2", "greedy", False),
     ],
 )
-def test_sft_loss_and_metrics_equal_prompt_tuning(tmp_path, tokenizer, base_name, kind):
+def test_sft_loss_and_metrics_equal_prompt_tuning(tmp_path, tokenizer, base_name, kind, checkpointing):
     vocab = len(tokenizer)
     data_model = get_peft_model(BASES[base_name](vocab), soft_prompt_config()).eval()
     data = dataset_for(kind, data_model)
@@ -171,7 +173,14 @@ def test_sft_loss_and_metrics_equal_prompt_tuning(tmp_path, tokenizer, base_name
     # bf16 off: SFTConfig defaults it on, and the oracle is float32.
     trainer = SpyingSFTTrainer(
         model=BASES[base_name](vocab),
-        args=sft_args(tmp_path, max_steps=1, learning_rate=0.0, bf16=False, per_device_train_batch_size=len(data)),
+        args=sft_args(
+            tmp_path,
+            max_steps=1,
+            learning_rate=0.0,
+            bf16=False,
+            per_device_train_batch_size=len(data),
+            gradient_checkpointing=checkpointing,
+        ),
         peft_config=soft_prompt_config(),
         train_dataset=data,
         processing_class=tokenizer,

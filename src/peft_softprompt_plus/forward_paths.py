@@ -21,14 +21,19 @@ class PromptedBatch:
     kwargs: dict  # inputs for the wrapped model / its backbone
     riding: int  # leading prompt positions in its outputs, to strip
     mask: torch.Tensor  # [B, L] the text's own mask
+    prompt_tail: Optional[torch.Tensor] = None  # [1, D] last prompt position's output, when no prompt position rides
+
+
+def prompt_pass(backbone: nn.Module, prompt: torch.Tensor):
+    """`prompt` `[M, D]` through the backbone at batch 1: under causal attention its per-layer keys/values (`.cache`)
+    and outputs (`.last_hidden_state`, `[1, M, D]`) are the same for every row."""
+    count = prompt.shape[0]
+    pos = torch.arange(count, device=prompt.device).unsqueeze(0)  # [1, M]
+    return backbone(inputs_embeds=prompt.unsqueeze(0), position_ids=pos, use_cache=True)
 
 
 def prompt_cache(backbone: nn.Module, prompt: torch.Tensor) -> DynamicCache:
-    """Per-layer keys/values of `prompt` `[M, D]` at batch 1: under causal attention they are the same for all rows."""
-    count = prompt.shape[0]
-    pos = torch.arange(count, device=prompt.device).unsqueeze(0)  # [1, M]
-    out = backbone(inputs_embeds=prompt.unsqueeze(0), position_ids=pos, use_cache=True)  # [1, M, D]
-    return out.cache
+    return prompt_pass(backbone, prompt).cache
 
 
 def broadcast_cache(cache: DynamicCache, batch: int, config) -> DynamicCache:
@@ -55,9 +60,16 @@ def build(
         "attention_mask": semantics.extended_mask(mask, num_prompt),  # [B, N+L]
         "position_ids": semantics.positions(mask, num_prompt)[:, cached:],  # [B, riding+L]
     }
+    tail = None
     if cached:
-        backbone = model.base_model
-        kwargs["cache"] = broadcast_cache(prompt_cache(backbone, prompt[:cached]), batch, model.config)
+        impl = getattr(model.config, "_attn_implementation", None)
+        dtype = model.get_input_embeddings().weight.dtype
+        shared = semantics.shared_mask(mask, cached, riding + length, impl, dtype)  # [1, 1, riding+L, N+L]
+        if shared is not None:
+            kwargs["attention_mask"] = shared
+        shared_pass = prompt_pass(model.base_model, prompt[:cached])
+        kwargs["cache"] = broadcast_cache(shared_pass.cache, batch, model.config)
+        tail = shared_pass.last_hidden_state[0, -1:] if riding == 0 else None  # [1, D]
     if riding == 0 and input_ids is not None:
         # Token ids go in untouched, so the model's own id-based logic (pooling, warnings) still applies.
         kwargs["input_ids"] = input_ids
@@ -66,4 +78,4 @@ def build(
             inputs_embeds = model.get_input_embeddings()(input_ids)  # [B, L, D]
         head = prompt[cached:].to(inputs_embeds.dtype).unsqueeze(0).expand(batch, -1, -1)  # [B, riding, D]
         kwargs["inputs_embeds"] = torch.cat([head, inputs_embeds], dim=1)  # [B, riding+L, D]
-    return PromptedBatch(kwargs=kwargs, riding=riding, mask=mask)
+    return PromptedBatch(kwargs=kwargs, riding=riding, mask=mask, prompt_tail=tail)

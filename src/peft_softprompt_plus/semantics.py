@@ -6,7 +6,7 @@ padding never moves a real token.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -28,6 +28,32 @@ def text_mask(attention_mask: Optional[torch.Tensor], batch: int, length: int, d
 def extended_mask(mask: torch.Tensor, num_prompt: int) -> torch.Tensor:
     ones = mask.new_ones(mask.shape[0], num_prompt)
     return torch.cat([ones, mask], dim=1)  # [B, N+L]
+
+
+# How each attention implementation reads a ready 4-D mask (transformers passes 4-D masks through untouched):
+# sdpa takes booleans (True = attend), eager adds the mask to the scores. Others get the 2-D mask instead.
+_SHARED_MASK_FORMS: dict[str, Callable[[torch.Tensor, torch.dtype], torch.Tensor]] = {
+    "sdpa": lambda allowed, dtype: allowed,
+    "eager": lambda allowed, dtype: torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    ),
+}
+
+
+def shared_mask(
+    mask: torch.Tensor, cached: int, queries: int, attn_implementation: Optional[str], dtype: torch.dtype
+) -> Optional[torch.Tensor]:
+    """One causal mask `[1, 1, queries, cached+queries]` for every row when no row is padded, else None.
+
+    Rows without padding see the same pattern, so one small mask serves the batch instead of the `[B, 1, q, k]`
+    one that attention would otherwise build (and, for sdpa, convert and keep for backward in every layer).
+    """
+    form = _SHARED_MASK_FORMS.get(attn_implementation)
+    if form is None or not bool(mask.all()):
+        return None
+    keys = cached + queries
+    allowed = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).tril(diagonal=cached)  # [q, k]
+    return form(allowed, dtype)[None, None]  # [1, 1, q, k]
 
 
 def positions(mask: torch.Tensor, num_prompt: int) -> torch.Tensor:

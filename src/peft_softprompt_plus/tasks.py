@@ -51,12 +51,40 @@ def _strip(output, riding: int, length: int):
     return output
 
 
+# Forward keywords that leave the loss to the model's own `loss_function`. Anything else (TRL's `fused_lm_head`, say)
+# may compute the loss or metrics from the labels the model sees, so the last prompt position then rides along.
+_PLAIN_KWARGS = frozenset(
+    {"num_items_in_batch", "return_dict", "output_attentions", "output_hidden_states", "use_cache"}
+)
+_SUM_OVER_ITEMS_LOSSES = (ForCausalLMLoss, _prompted_causal_lm_loss)
+
+
+def _causal_lm_riding(model: nn.Module, labels: Optional[torch.Tensor], kwargs: dict) -> int:
+    """0 when the shared pass can also predict text token 0 (its logits are the same for every row), else 1."""
+    if not kwargs.keys() <= _PLAIN_KWARGS:
+        return 1
+    # The first-token term is added as `sum / num_items_in_batch`, which is ForCausalLMLoss's contract.
+    return 0 if labels is None or model.loss_function in _SUM_OVER_ITEMS_LOSSES else 1
+
+
 def _causal_lm(model: nn.Module, batch: PromptedBatch, labels: Optional[torch.Tensor], kwargs: dict):
-    # The wrapped model computes the loss itself (so `num_items_in_batch` and wrappers such as TRL's fused head see
-    # the labels); the riding prompt position before the text is what predicts text token 0.
-    labels = semantics.prefixed_labels(labels, batch.riding)
-    output = model(**batch.kwargs, labels=labels, **kwargs)
-    return _strip(output, batch.riding, batch.mask.shape[1])
+    # The wrapped model computes the text's loss itself, so `num_items_in_batch` and wrappers such as TRL's fused
+    # head see the labels. Text token 0 is predicted by the last prompt position: riding with the text, or from the
+    # shared pass's `prompt_tail`, once for all rows.
+    if batch.prompt_tail is None or labels is None:
+        output = model(**batch.kwargs, labels=semantics.prefixed_labels(labels, batch.riding), **kwargs)
+        return _strip(output, batch.riding, batch.mask.shape[1])
+    kwargs = dict(kwargs)
+    total = kwargs.pop("num_items_in_batch", None)
+    if total is None:
+        total = (labels != semantics.IGNORE_INDEX).sum()  # every label is a target, label 0 included
+    output = model(**batch.kwargs, labels=labels, num_items_in_batch=total, **kwargs)  # sum over tokens 1.. / total
+    first = model.get_output_embeddings()(batch.prompt_tail)  # [1, V]
+    first = first.expand(labels.shape[0], -1).unsqueeze(1)  # [B, 1, V]
+    vocab = first.shape[-1]
+    head = model.loss_function(first, None, vocab, num_items_in_batch=total, shift_labels=labels[:, :1])
+    output.loss = output.loss + head.to(output.loss.device)
+    return output
 
 
 def _sequence_classification(model: nn.Module, batch: PromptedBatch, labels: Optional[torch.Tensor], kwargs: dict):
@@ -82,12 +110,15 @@ def _sequence_classification(model: nn.Module, batch: PromptedBatch, labels: Opt
 @dataclass(frozen=True)
 class Task:
     run: Callable
-    riding_when_shared: int  # prompt positions that must run with the text on the shared-KV path
+    # (model, labels, forward kwargs) -> prompt positions that must run with the text on the shared-KV path
+    riding_when_shared: Callable[[nn.Module, Optional[torch.Tensor], dict], int]
     needs: str  # attribute the wrapped model must have
     on_attach: Callable = lambda model: None  # adjusts the base model once, when the first adapter is attached
 
 
 TASKS: dict[str, Task] = {
-    "CAUSAL_LM": Task(run=_causal_lm, riding_when_shared=1, needs="lm_head", on_attach=_count_every_label),
-    "SEQ_CLS": Task(run=_sequence_classification, riding_when_shared=0, needs="score"),
+    "CAUSAL_LM": Task(
+        run=_causal_lm, riding_when_shared=_causal_lm_riding, needs="lm_head", on_attach=_count_every_label
+    ),
+    "SEQ_CLS": Task(run=_sequence_classification, riding_when_shared=lambda model, labels, kwargs: 0, needs="score"),
 }

@@ -227,7 +227,7 @@ class SoftPromptPlusModel(BaseTuner):
         weight = self.model.get_input_embeddings().weight
         return self.softprompt_plus.prompt[adapter_name].to(device=weight.device, dtype=weight.dtype)  # [N, D]
 
-    def _cached_positions(self, config: SoftPromptPlusConfig, task, num_prompt: int) -> int:
+    def _cached_positions(self, config: SoftPromptPlusConfig, task, num_prompt: int, labels, kwargs: dict) -> int:
         checkpointing = _checkpointing(self.model) and self.training
         path = config.forward_path
         if path == ForwardPath.SHARED_KV.value and checkpointing:
@@ -238,7 +238,9 @@ class SoftPromptPlusModel(BaseTuner):
         if path == ForwardPath.AUTO.value:
             shared = not checkpointing and _accepts_cache(type(self.model))
             path = ForwardPath.SHARED_KV.value if shared else ForwardPath.CONCAT.value
-        return num_prompt - task.riding_when_shared if path == ForwardPath.SHARED_KV.value else 0
+        if path != ForwardPath.SHARED_KV.value:
+            return 0
+        return num_prompt - task.riding_when_shared(self.model, labels, kwargs)
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, **kwargs):
         adapter = self._active()
@@ -271,7 +273,7 @@ class SoftPromptPlusModel(BaseTuner):
         prompt = self.prompt_for_use(adapter)  # [N, D]
         text = input_ids if input_ids is not None else inputs_embeds
         semantics.check_fits(prompt.shape[0], text.shape[1], getattr(self.model.config, "n_positions", None))
-        cached = self._cached_positions(config, task, prompt.shape[0])
+        cached = self._cached_positions(config, task, prompt.shape[0], labels, kwargs)
         batch = forward_paths.build(self.model, prompt, cached, input_ids, inputs_embeds, attention_mask)
         return task.run(self.model, batch, labels, kwargs)
 
