@@ -487,6 +487,7 @@ def main() -> None:
     parser.add_argument("--small-batch", type=int, default=4, help="batch for the GPT-2-small shape")
     parser.add_argument("--small-reps", type=int, default=3, help="timed rounds for the GPT-2-small shape")
     parser.add_argument("--no-small", action="store_true", help="skip the GPT-2-small shape")
+    parser.add_argument("--no-tiny", action="store_true", help="skip the tiny shape (train and generate)")
     parser.add_argument("--no-attach", action="store_true", help="skip bench/bench_attach.py")
     parser.add_argument("--steady-malloc", action="store_true", help="re-run with glibc keeping freed memory (above)")
     args = parser.parse_args()
@@ -505,12 +506,13 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"memory allocator: {_allocator()}")
     rows: list[Row] = []
-    print(f"\n{tiny.describe()}", flush=True)
-    for n in (20, 100):
-        bench_train(tiny, n, with_concat=not args.quick, memory=True, rows=rows)
-    print(f"\n{tiny.name}: generate, {GEN_PROMPTS} left-padded prompts x {NEW_TOKENS} new tokens, greedy", flush=True)
-    for n in (20, 100):
-        bench_generate(tiny, n, reps=gen_reps, warmup=2, rows=rows)
+    if not args.no_tiny:
+        print(f"\n{tiny.describe()}", flush=True)
+        for n in (20, 100):
+            bench_train(tiny, n, with_concat=not args.quick, memory=True, rows=rows)
+        print(f"\n{tiny.name}: generate, {GEN_PROMPTS} left-padded prompts x {NEW_TOKENS} new tokens, greedy")
+        for n in (20, 100):
+            bench_generate(tiny, n, reps=gen_reps, warmup=2, rows=rows)
     if not (args.quick or args.no_small):
         print(f"\n{small.describe()}", flush=True)
         for n in (20, 100):
