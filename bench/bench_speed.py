@@ -510,7 +510,8 @@ def main() -> None:
         print(f"\n{tiny.describe()}", flush=True)
         for n in (20, 100):
             bench_train(tiny, n, with_concat=not args.quick, memory=True, rows=rows)
-        print(f"\n{tiny.name}: generate, {GEN_PROMPTS} left-padded prompts x {NEW_TOKENS} new tokens, greedy")
+        gen = f"{tiny.name}: generate, {GEN_PROMPTS} left-padded prompts x {NEW_TOKENS} new tokens, greedy"
+        print(f"\n{gen}", flush=True)
         for n in (20, 100):
             bench_generate(tiny, n, reps=gen_reps, warmup=2, rows=rows)
     if not (args.quick or args.no_small):
