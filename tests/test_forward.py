@@ -127,7 +127,7 @@ def test_a_custom_loss_function_keeps_the_prompt_position_riding(make_base, make
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_one_shared_mask_for_unpadded_rows(make_base, make_peft, attn, monkeypatch):
+def test_one_shared_mask_for_unpadded_rows(make_base, make_peft, attn):
     # Unpadded batches get one [1, 1, L, N+L] mask in the form each attention reads; padded ones the 2-D mask.
     seen = []
     base = make_base()
@@ -139,12 +139,13 @@ def test_one_shared_mask_for_unpadded_rows(make_base, make_peft, attn, monkeypat
     seen.clear()
     torch.testing.assert_close(shared(input_ids=ids).logits, concat(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
     mask = torch.ones_like(ids)
+    shared(input_ids=ids, attention_mask=mask)  # an all-ones mask is no padding either
     mask[0, :2] = 0
     got = shared(input_ids=ids, attention_mask=mask).logits[mask.bool()]
     torch.testing.assert_close(
         got, concat(input_ids=ids, attention_mask=mask).logits[mask.bool()], atol=1e-5, rtol=1e-5
     )
-    assert seen == [torch.Size([1, 1, 7, 12]), torch.Size([3, 12])]
+    assert seen == [torch.Size([1, 1, 7, 12]), torch.Size([1, 1, 7, 12]), torch.Size([3, 12])]
 
 
 @pytest.mark.parametrize("forward_path", ["shared_kv", "concat"])

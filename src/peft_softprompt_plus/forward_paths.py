@@ -62,11 +62,13 @@ def build(
     }
     tail = None
     if cached:
+        # `mask.all()` syncs on a GPU and breaks a compiled graph: only asked when a mask was passed, never compiled.
+        unpadded = attention_mask is None or (not torch.compiler.is_compiling() and bool(mask.all()))
         impl = getattr(model.config, "_attn_implementation", None)
         dtype = model.get_input_embeddings().weight.dtype
-        shared = semantics.shared_mask(mask, cached, riding + length, impl, dtype)  # [1, 1, riding+L, N+L]
+        shared = semantics.shared_mask(cached, riding + length, impl, dtype, text.device) if unpadded else None
         if shared is not None:
-            kwargs["attention_mask"] = shared
+            kwargs["attention_mask"] = shared  # [1, 1, riding+L, N+L]
         shared_pass = prompt_pass(model.base_model, prompt[:cached])
         kwargs["cache"] = broadcast_cache(shared_pass.cache, batch, model.config)
         tail = shared_pass.last_hidden_state[0, -1:] if riding == 0 else None  # [1, D]

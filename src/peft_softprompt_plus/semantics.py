@@ -41,18 +41,17 @@ _SHARED_MASK_FORMS: dict[str, Callable[[torch.Tensor, torch.dtype], torch.Tensor
 
 
 def shared_mask(
-    mask: torch.Tensor, cached: int, queries: int, attn_implementation: Optional[str], dtype: torch.dtype
+    cached: int, queries: int, attn_implementation: Optional[str], dtype: torch.dtype, device
 ) -> Optional[torch.Tensor]:
-    """One causal mask `[1, 1, queries, cached+queries]` for every row when no row is padded, else None.
+    """One causal mask `[1, 1, queries, cached+queries]` for unpadded rows, or None for an unknown implementation.
 
     Rows without padding see the same pattern, so one small mask serves the batch instead of the `[B, 1, q, k]`
     one that attention would otherwise build (and, for sdpa, convert and keep for backward in every layer).
     """
     form = _SHARED_MASK_FORMS.get(attn_implementation)
-    if form is None or not bool(mask.all()):
+    if form is None:
         return None
-    keys = cached + queries
-    allowed = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).tril(diagonal=cached)  # [q, k]
+    allowed = torch.ones(queries, cached + queries, dtype=torch.bool, device=device).tril(diagonal=cached)  # [q, k]
     return form(allowed, dtype)[None, None]  # [1, 1, q, k]
 
 
