@@ -475,8 +475,12 @@ def run_attach_bench(quick: bool) -> None:
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 
+def _steady() -> bool:
+    return all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items())
+
+
 def _allocator() -> str:
-    if all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items()):
+    if _steady():
         return "steady (--steady-malloc: " + ", ".join(f"{k}={v}" for k, v in STEADY_MALLOC.items()) + ")"
     return "process default"
 
@@ -493,7 +497,7 @@ def main() -> None:
     parser.add_argument("--no-attach", action="store_true", help="skip bench/bench_attach.py")
     parser.add_argument("--steady-malloc", action="store_true", help="re-run with glibc keeping freed memory (above)")
     args = parser.parse_args()
-    if args.steady_malloc and any(os.environ.get(k) != v for k, v in STEADY_MALLOC.items()):
+    if args.steady_malloc and not _steady():
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **STEADY_MALLOC})
     if args.threads:
         torch.set_num_threads(args.threads)

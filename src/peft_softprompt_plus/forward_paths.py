@@ -32,10 +32,6 @@ def prompt_pass(backbone: nn.Module, prompt: torch.Tensor):
     return backbone(inputs_embeds=prompt.unsqueeze(0), position_ids=pos, use_cache=True)
 
 
-def prompt_cache(backbone: nn.Module, prompt: torch.Tensor) -> DynamicCache:
-    return prompt_pass(backbone, prompt).cache
-
-
 def broadcast_cache(cache: DynamicCache, batch: int, config) -> DynamicCache:
     # `expand` copies nothing; the first text-side `torch.cat` materialises rows, and autograd sums row gradients back.
     layers = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v, *_ in cache]  # [B, H, M, hd]

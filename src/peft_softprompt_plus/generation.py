@@ -30,7 +30,7 @@ class PromptKVStore:
         if cached is not None and cached[0] == key and not backbone.training:
             return cached[1]
         with torch.no_grad():
-            layers = [(k, v) for k, v, *_ in forward_paths.prompt_cache(backbone, prompt)]  # each [1, H, N, hd]
+            layers = [(k, v) for k, v, *_ in forward_paths.prompt_pass(backbone, prompt).cache]  # each [1, H, N, hd]
         if not backbone.training:  # dropout makes a training-mode prompt KV single-use
             self._entries[adapter] = (key, layers)
         return layers
