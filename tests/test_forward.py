@@ -1,5 +1,7 @@
 """Forward semantics (semantics.py, forward_paths.py, tasks.py) against PEFT PROMPT_TUNING and invariants."""
 
+import importlib
+
 import pytest
 import torch
 from conftest import random_ids
@@ -126,65 +128,64 @@ def test_a_custom_loss_function_keeps_the_prompt_position_riding(make_base, make
     torch.testing.assert_close(ours(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss)
 
 
+_KERNEL_MODULES = {
+    "sdpa": "peft_softprompt_plus.attention.sdpa_attention_forward",
+    "eager": "transformers.models.gpt2.modeling_gpt2.eager_attention_forward",
+}
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_one_shared_mask_for_unpadded_rows(make_base, make_peft, attn):
-    # Unpadded batches get one [1, 1, L, N+L] mask in the form each attention reads; padded ones the 2-D mask.
-    seen = []
+def test_the_prompt_mask_is_built_once_per_forward(make_base, make_peft, attn, monkeypatch):
+    # Every layer's kernel gets the same mask object: for sdpa a boolean [1, 1, L, N+L] for unpadded rows (sdpa's own
+    # mask builder skips those) and [B, 1, L, N+L] with padding; for eager an additive [B, 1, L, N+L].
+    module_name, _, fn_name = _KERNEL_MODULES[attn].rpartition(".")
+    module = importlib.import_module(module_name)
+    kernel, seen = getattr(module, fn_name), []
+
+    def spy(mod, query, key, value, mask, **kwargs):
+        seen.append(mask)
+        return kernel(mod, query, key, value, mask, **kwargs)
+
     base = make_base()
     base.set_attn_implementation(attn)
-    base.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["attention_mask"].shape), with_kwargs=True)
     shared = make_peft(base=base, forward_path="shared_kv").eval()
+    assert shared.config._attn_implementation == f"softprompt_plus_{attn}"
     concat = make_peft(forward_path="concat").eval()
+    monkeypatch.setattr(module, fn_name, spy)
     ids = random_ids(3, 7)
-    seen.clear()
-    torch.testing.assert_close(shared(input_ids=ids).logits, concat(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
     mask = torch.ones_like(ids)
-    shared(input_ids=ids, attention_mask=mask)  # an all-ones mask is no padding either
     mask[0, :2] = 0
-    got = shared(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-    torch.testing.assert_close(
-        got, concat(input_ids=ids, attention_mask=mask).logits[mask.bool()], atol=1e-5, rtol=1e-5
-    )
-    assert seen == [torch.Size([1, 1, 7, 12]), torch.Size([1, 1, 7, 12]), torch.Size([3, 12])]
+    unpadded_rows = 1 if attn == "sdpa" else 3
+    for attention_mask, shape in ((None, (unpadded_rows, 1, 7, 12)), (mask, (3, 1, 7, 12))):
+        seen.clear()
+        got = shared(input_ids=ids, attention_mask=attention_mask).logits
+        text_layers = [m for m in seen if m is not None and m.shape[-1] == 12]
+        want = concat(input_ids=ids, attention_mask=attention_mask).logits
+        real = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else mask.bool()
+        torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+        assert len(text_layers) == 2 and text_layers[0] is text_layers[1]  # built once, read by both layers
+        assert tuple(text_layers[0].shape) == shape
+        assert text_layers[0].dtype == (torch.bool if attn == "sdpa" else torch.float32)
 
 
-@pytest.mark.parametrize("forward_path", ["shared_kv", "concat"])
-def test_padding_never_moves_a_real_token(make_peft, forward_path):
-    model = make_peft(forward_path=forward_path).eval()
-    ids = random_ids(1, 6, seed=5)
-    alone = model(input_ids=ids).logits[0]  # [6, V]
-    pad = torch.ones(1, 3, dtype=torch.long)
-    left = model(input_ids=torch.cat([pad, ids], 1), attention_mask=torch.tensor([[0] * 3 + [1] * 6])).logits[0, 3:]
-    right = model(input_ids=torch.cat([ids, pad], 1), attention_mask=torch.tensor([[1] * 6 + [0] * 3])).logits[0, :6]
-    torch.testing.assert_close(left, alone, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(right, alone, atol=1e-5, rtol=1e-5)
-
-
-def test_inputs_embeds_equal_input_ids(make_peft):
-    model = make_peft().eval()
-    ids = random_ids(2, 6)
-    embeds = model.get_input_embeddings()(ids)
-    torch.testing.assert_close(model(inputs_embeds=embeds).logits, model(input_ids=ids).logits)
-
-
-def test_gradient_checkpointing_falls_back_to_concat(make_base, make_peft):
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_shared_kv_under_gradient_checkpointing_equals_concat(make_base, make_peft, reentrant):
+    # Checkpointing no longer turns the fast path off: the prompt reaches each layer as a forward keyword, which the
+    # recomputation sees too; reentrant checkpointing hands its gradients back through a node at the text's input.
     base = make_base()
-    base.gradient_checkpointing_enable()
-    model = make_peft(base=base, validate_gradients="off").train()
-    plain = make_peft().train()
-    ids = random_ids(2, 6)
-    loss, loss_plain = model(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss
-    torch.testing.assert_close(loss, loss_plain, atol=1e-6, rtol=1e-6)
-    (g,) = torch.autograd.grad(loss, prompt_of(model))
-    assert g.abs().sum() > 0
-
-
-def test_explicit_shared_kv_with_checkpointing_is_refused(make_base, make_peft):
-    base = make_base()
-    base.gradient_checkpointing_enable()
-    model = make_peft(base=base, forward_path="shared_kv", validate_gradients="off").train()
-    with pytest.raises(ValueError, match="gradient checkpointing"):
-        model(input_ids=random_ids(1, 4))
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    shared = make_peft(base=base, forward_path="shared_kv").train()
+    concat = make_peft(forward_path="concat").train()
+    ids = random_ids(3, 7, seed=2)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    out = shared(input_ids=ids, attention_mask=mask, labels=labels)
+    ref = concat(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
+    out.loss.backward()
+    ref.loss.backward()
+    assert rel(prompt_of(shared).grad, prompt_of(concat).grad) <= 1e-5
 
 
 def test_too_long_is_refused_before_the_model_fails(make_peft):

@@ -248,30 +248,28 @@ def test_logged_training_loss_is_the_prompt_tuning_loss(tmp_path, tokenizer, bas
     assert trainer.state.log_history[0]["loss"] == pytest.approx(expected, abs=1e-5)
 
 
-def test_gradient_checkpointing_trains_on_the_concat_path(tmp_path, tokenizer, monkeypatch):
+def test_gradient_checkpointing_keeps_the_attention_path(tmp_path, tokenizer, monkeypatch):
     data = lm_dataset(tokenizer)
-    cached_seen = []
-    build = forward_paths.build
-
-    def spy(model, prompt, cached, *rest):
-        cached_seen.append(cached)
-        return build(model, prompt, cached, *rest)
-
-    monkeypatch.setattr(forward_paths, "build", spy)
+    paths = []
+    for name in ("build_attention", "build_concat"):
+        original = getattr(forward_paths, name)
+        monkeypatch.setattr(
+            forward_paths, name, lambda *a, _name=name, _fn=original, **k: paths.append(_name) or _fn(*a, **k)
+        )
     common = dict(max_steps=2, learning_rate=1e-2, seed=3, data_seed=3)
 
     plain = prompted()
-    cached_seen.clear()  # drop the attach-time gradient probe, which runs outside the Trainer
+    paths.clear()  # drop the attach-time gradient probe, which runs outside the Trainer
     Trainer(model=plain, args=args(tmp_path / "plain", **common), train_dataset=data).train()
-    assert cached_seen and all(c == N for c in cached_seen)  # shared-KV: the whole prompt, once per step
+    assert paths and set(paths) == {"build_attention"}
 
     checkpointed = prompted()
-    cached_seen.clear()
+    paths.clear()
     Trainer(
         model=checkpointed, args=args(tmp_path / "ckpt", activation_checkpointing=True, **common), train_dataset=data
     ).train()
-    assert cached_seen and all(c == 0 for c in cached_seen)  # the automatic fallback to concatenation
-    # Same data, same semantics, different path: the two runs train the same prompt up to float rounding.
+    assert paths and set(paths) == {"build_attention"}  # the prompt still enters at the attention
+    # Same data, same semantics: the two runs train the same prompt up to float rounding.
     torch.testing.assert_close(prompt_of(checkpointed), prompt_of(plain), atol=1e-5, rtol=0)
     assert not torch.equal(prompt_of(checkpointed), prompt_of(prompted()))
 

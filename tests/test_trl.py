@@ -100,8 +100,9 @@ def test_sft_trainer_trains_a_soft_prompt_from_peft_config(tmp_path, tokenizer):
     for fused, labels, length, checkpointing in calls:
         assert fused is True and checkpointing is True  # SFTConfig turns gradient checkpointing on by default
         assert labels is not None and labels.shape[1] == length
-        # With checkpointing the tuner concatenates: N prompt positions ride along, their labels ignored.
-        assert (labels[:, :N] == -100).all() and (labels[:, N:] != -100).any()
+        # TRL's fused head reads the labels, so the last prompt position rides with the text (checkpointing on or
+        # off); the other N-1 reach the attention as shared keys/values.
+        assert (labels[:, :1] == -100).all() and (labels[:, 1:] != -100).any()
     logs = trainer.state.log_history
     for key in ("loss", "entropy", "mean_token_accuracy"):
         assert torch.isfinite(torch.tensor(logs[0][key])), key

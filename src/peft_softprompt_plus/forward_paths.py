@@ -1,19 +1,44 @@
-"""How the prompt reaches the model: shared prompt keys/values (fast) or plain concatenation (fallback).
+"""How the prompt reaches the model: at the attention (fast) or concatenated to every row (the reference).
 
-Both build keyword arguments for the wrapped model over the same semantics; they differ only in how many prompt
-positions are computed once at batch 1 and shared through a cache (`cached`) versus run with every row (`riding`).
+Both build the wrapped model's keyword arguments over the same semantics (`semantics.py`). The attention path runs
+the prompts once, at batch A (one row per adapter in the batch), and hands their keys/values to every attention layer
+through `attention.KWARG`; the text then runs alone. The concatenation path sends `[prompt; text]` as `inputs_embeds`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 
-from . import semantics
+from . import attention, semantics
+
+
+@dataclass
+class RowPrompts:
+    """The prompts of one forward: `prompts[a]` `[N_a, D]` (in the embedding dtype); `rows[b]` picks row b's prompt,
+    -1 for none. `rows=None`: every row reads prompt 0."""
+
+    prompts: list[torch.Tensor]
+    rows: Optional[torch.Tensor] = None  # [B]
+
+    def per_row(self, values: torch.Tensor, batch: int) -> torch.Tensor:
+        """`[A, ...]` -> `[B, ...]`; rows without a prompt get row 0's values (callers mask them)."""
+        if self.rows is None:
+            return values.expand(batch, *values.shape[1:])
+        return values.index_select(0, self.rows.to(values.device).clamp(min=0))
+
+    def has_prompt(self, batch: int, device) -> torch.Tensor:
+        return torch.ones(batch, dtype=torch.bool, device=device) if self.rows is None else self.rows.to(device) >= 0
+
+    def lengths(self, device) -> torch.Tensor:
+        return torch.tensor([p.shape[0] for p in self.prompts], device=device)  # [A]
 
 
 @dataclass
@@ -21,59 +46,164 @@ class PromptedBatch:
     kwargs: dict  # inputs for the wrapped model / its backbone
     riding: int  # leading prompt positions in its outputs, to strip
     mask: torch.Tensor  # [B, L] the text's own mask
-    prompt_tail: Optional[torch.Tensor] = None  # [1, D] last prompt position's output, when no prompt position rides
+    row_prompts: RowPrompts
+    prompt_last: Optional[torch.Tensor] = None  # [A, D] each prompt's last output, when no prompt position rides
 
 
-def prompt_pass(backbone: nn.Module, prompt: torch.Tensor):
-    """`prompt` `[M, D]` through the backbone at batch 1: under causal attention its per-layer keys/values (`.cache`)
-    and outputs (`.last_hidden_state`, `[1, M, D]`) are the same for every row."""
-    count = prompt.shape[0]
-    pos = torch.arange(count, device=prompt.device).unsqueeze(0)  # [1, M]
-    return backbone(inputs_embeds=prompt.unsqueeze(0), position_ids=pos, use_cache=True)
+# ---------------------------------------------------------------------------------------------- checkpointing
 
 
-def broadcast_cache(cache: DynamicCache, batch: int, config) -> DynamicCache:
-    # `expand` copies nothing; the first text-side `torch.cat` materialises rows, and autograd sums row gradients back.
-    layers = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v, *_ in cache]  # [B, H, M, hd]
-    return DynamicCache(layers, config=config)
+def _checkpointed_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
 
 
-def build(
-    model: nn.Module,
-    prompt: torch.Tensor,
-    cached: int,
-    input_ids: Optional[torch.Tensor],
-    inputs_embeds: Optional[torch.Tensor],
-    attention_mask: Optional[torch.Tensor],
+def _reentrant(layer: nn.Module) -> bool:
+    """Whether the layer's checkpoint function re-enters autograd (`use_reentrant=True`, or one we can't read)."""
+    fn = getattr(layer, "_gradient_checkpointing_func", None)
+    keywords = getattr(fn, "keywords", None)
+    if keywords is None or getattr(fn, "func", None) is not torch.utils.checkpoint.checkpoint:
+        return True
+    return keywords.get("use_reentrant") is not False  # torch's default (None) is reentrant
+
+
+@contextlib.contextmanager
+def _not_checkpointed(layers: list[nn.Module]):
+    # The prompt pass is batch A and cheap; recomputing it in backward would run a second capture.
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.gradient_checkpointing = True
+
+
+class _HandBack(torch.autograd.Function):
+    """Reentrant checkpointing runs each layer's backward in a nested autograd call that leaves the prompt's gradient
+    on the leaf copies the layers read. This node sits where the text enters the model, so it runs after every layer's
+    backward, and hands those gradients on to the prompt pass."""
+
+    @staticmethod
+    def forward(ctx, leaves, hidden, *connected):
+        ctx.leaves = leaves
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = []
+        for leaf in ctx.leaves:
+            grads.append(leaf.grad)
+            leaf.grad = None
+        return (None, grad, *grads)
+
+
+# ---------------------------------------------------------------------------------------------- the prompt pass
+
+
+def prompt_pass(model: nn.Module, row_prompts: RowPrompts, riding: int) -> tuple[attention.PromptKV, torch.Tensor]:
+    """Run the shared prompt positions once, one row per prompt: `[A, M, D]`, right-padded to the longest.
+
+    Under causal attention a prompt position never sees the text, so its keys/values are the same for every row that
+    reads it. Returns the recorded `PromptKV` and the prompts' outputs `[A, M, D]`.
+    """
+    shared = [p[: p.shape[0] - riding] for p in row_prompts.prompts]
+    width = max(p.shape[0] for p in shared)
+    stack = torch.stack([nn.functional.pad(p, (0, 0, 0, width - p.shape[0])) for p in shared])  # [A, M, D]
+    lengths = torch.tensor([p.shape[0] for p in shared], device=stack.device)  # [A]
+    record = attention.PromptKV(lengths=lengths, rows=row_prompts.rows, capturing=True)
+    pos = torch.arange(width, device=stack.device).expand(len(shared), width)  # [A, M]
+    with _not_checkpointed(_checkpointed_layers(model)):
+        out = model.base_model(inputs_embeds=stack, position_ids=pos, use_cache=False, **{attention.KWARG: record})
+    if not record.layers:
+        raise RuntimeError(f"{type(model).__name__}'s attention never ran through the attention registry.")
+    return record.at(0), out.last_hidden_state
+
+
+def attention_supported(model: nn.Module) -> bool:
+    """Whether `model`'s attention layers take the prompt through the registry (GPT-2, Llama...; not Bloom, Falcon)."""
+    embedding = model.get_input_embeddings()
+    probe = embedding.weight.new_zeros(1, embedding.embedding_dim)  # [1, D]
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        # Training mode: an eval-mode forward makes bitsandbytes repack 4-bit CPU weights into an inference-only form.
+        with torch.no_grad():
+            model.train()
+            prompt_pass(model, RowPrompts([probe]), riding=0)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    finally:
+        for module, mode in modes:
+            module.training = mode
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- building a batch
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_position_ids(model_cls: type) -> bool:
+    return "position_ids" in inspect.signature(model_cls.forward).parameters
+
+
+def _text_embeddings(model, input_ids, inputs_embeds):
+    return inputs_embeds if inputs_embeds is not None else model.get_input_embeddings()(input_ids)  # [B, L, D]
+
+
+def build_attention(
+    model: nn.Module, row_prompts: RowPrompts, riding: int, input_ids, inputs_embeds, attention_mask
 ) -> PromptedBatch:
-    """Inputs that make `model` see `[prompt; text]`, with the first `cached` prompt positions shared via a cache."""
-    num_prompt = prompt.shape[0]
-    riding = num_prompt - cached
+    """The text alone, reading the prompts' keys/values at the attention; `riding` last prompt positions (0 or 1)
+    run with the text instead (their outputs then come from the model itself, loss included)."""
     text = input_ids if input_ids is not None else inputs_embeds
     batch, length = text.shape[0], text.shape[1]
     mask = semantics.text_mask(attention_mask, batch, length, text.device)  # [B, L]
-    kwargs = {
-        "attention_mask": semantics.extended_mask(mask, num_prompt),  # [B, N+L]
-        "position_ids": semantics.positions(mask, num_prompt)[:, cached:],  # [B, riding+L]
-    }
-    tail = None
-    if cached:
-        # `mask.all()` syncs on a GPU and breaks a compiled graph: only asked when a mask was passed, never compiled.
-        unpadded = attention_mask is None or (not torch.compiler.is_compiling() and bool(mask.all()))
-        impl = getattr(model.config, "_attn_implementation", None)
-        dtype = model.get_input_embeddings().weight.dtype
-        shared = semantics.shared_mask(cached, riding + length, impl, dtype, text.device) if unpadded else None
-        if shared is not None:
-            kwargs["attention_mask"] = shared  # [1, 1, riding+L, N+L]
-        shared_pass = prompt_pass(model.base_model, prompt[:cached])
-        kwargs["cache"] = broadcast_cache(shared_pass.cache, batch, model.config)
-        tail = shared_pass.last_hidden_state[0, -1:] if riding == 0 else None  # [1, D]
-    if riding == 0 and input_ids is not None:
-        # Token ids go in untouched, so the model's own id-based logic (pooling, warnings) still applies.
-        kwargs["input_ids"] = input_ids
+    has_prompt = row_prompts.has_prompt(batch, text.device)  # [B]
+    shared = (row_prompts.per_row(row_prompts.lengths(text.device), batch) - riding) * has_prompt  # [B]
+    kwargs: dict = {}
+    prompt_last = None
+    layers = _checkpointed_layers(model) if model.training and torch.is_grad_enabled() else []
+    hand_back: Optional[tuple[list, list]] = None  # (leaf copies the layers read, the prompt pass's tensors)
+    if max(p.shape[0] for p in row_prompts.prompts) > riding:
+        prompt_kv, hidden = prompt_pass(model, row_prompts, riding)
+        if layers and any(_reentrant(layer) for layer in layers):
+            connected = [t for kv in prompt_kv.layers.values() for t in kv]
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in connected]
+            prompt_kv.layers = {m: (leaves[2 * i], leaves[2 * i + 1]) for i, m in enumerate(prompt_kv.layers)}
+            hand_back = (leaves, connected)
+        kwargs[attention.KWARG] = prompt_kv
+        if riding == 0:
+            last = prompt_kv.lengths - 1  # [A]
+            prompt_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [A, D]
+    if riding:
+        heads = torch.stack([p[-1] for p in row_prompts.prompts])  # [A, D]
+        embeds = _text_embeddings(model, input_ids, inputs_embeds)
+        head = row_prompts.per_row(heads.to(embeds.dtype), batch).unsqueeze(1)  # [B, 1, D]
+        kwargs["inputs_embeds"] = torch.cat([head, embeds], dim=1)  # [B, 1+L, D]
+        text_mask = torch.cat([has_prompt.to(mask.dtype).unsqueeze(1), mask], dim=1)  # [B, 1+L]
     else:
-        if inputs_embeds is None:
-            inputs_embeds = model.get_input_embeddings()(input_ids)  # [B, L, D]
-        head = prompt[cached:].to(inputs_embeds.dtype).unsqueeze(0).expand(batch, -1, -1)  # [B, riding, D]
-        kwargs["inputs_embeds"] = torch.cat([head, inputs_embeds], dim=1)  # [B, riding+L, D]
-    return PromptedBatch(kwargs=kwargs, riding=riding, mask=mask, prompt_tail=tail)
+        text_mask = mask
+        if hand_back is not None or input_ids is None:
+            kwargs["inputs_embeds"] = _text_embeddings(model, input_ids, inputs_embeds)
+        else:
+            # Token ids go in untouched, so the model's own id-based logic still applies.
+            kwargs["input_ids"] = input_ids
+    if hand_back is not None:
+        kwargs["inputs_embeds"] = _HandBack.apply(hand_back[0], kwargs["inputs_embeds"], *hand_back[1])
+    kwargs["attention_mask"] = text_mask if attention_mask is not None or riding else None
+    kwargs["position_ids"] = semantics.positions(text_mask, shared)  # [B, riding+L]
+    return PromptedBatch(kwargs, riding, mask, row_prompts, prompt_last)
+
+
+def build_concat(model: nn.Module, row_prompts: RowPrompts, input_ids, inputs_embeds, attention_mask) -> PromptedBatch:
+    """`[prompt; text]` through `inputs_embeds`: the textbook way, for families whose attention we can't reach."""
+    (prompt,) = row_prompts.prompts
+    num_prompt = prompt.shape[0]
+    embeds = _text_embeddings(model, input_ids, inputs_embeds)
+    batch, length = embeds.shape[0], embeds.shape[1]
+    mask = semantics.text_mask(attention_mask, batch, length, embeds.device)  # [B, L]
+    full_mask = semantics.extended_mask(mask, num_prompt)  # [B, N+L]
+    head = prompt.to(embeds.dtype).unsqueeze(0).expand(batch, -1, -1)  # [B, N, D]
+    kwargs = {"inputs_embeds": torch.cat([head, embeds], dim=1), "attention_mask": full_mask}  # [B, N+L, D]
+    if _takes_position_ids(type(model)):
+        kwargs["position_ids"] = semantics.prompted_positions(mask, num_prompt)  # [B, N+L]
+    return PromptedBatch(kwargs, num_prompt, mask, row_prompts)

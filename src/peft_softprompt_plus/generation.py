@@ -1,9 +1,9 @@
-"""`generate()` with a soft prompt: the prompt's keys/values are computed once per adapter, reused across calls
-until the prompt changes, and poured into HF's cache at prefill. The result looks exactly like the base model's
-`generate`: the input ids followed by the new tokens.
+"""`generate()` with a soft prompt. The result looks exactly like the base model's `generate`: the input ids followed
+by the new tokens.
 
-HF generation treats a cache as covering the first tokens of `input_ids`, so N placeholder ids stand in for the
-prompt during the call and are stripped from the output.
+On the attention path the prompt's keys/values are computed once per adapter, reused across calls until the prompt
+changes, and read by every decode step at the attention: the cache holds the text alone. Families whose attention we
+can't reach generate from `inputs_embeds` with the prompt in front.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import forward_paths, semantics
+from . import attention, forward_paths, semantics
 
 
 class PromptKVStore:
@@ -22,18 +22,18 @@ class PromptKVStore:
     a load or `set_adapter` invalidates them."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[tuple, list]] = {}
+        self._entries: dict[str, tuple[tuple, attention.PromptKV]] = {}
 
-    def get(self, adapter: str, param: torch.Tensor, backbone: nn.Module, prompt: torch.Tensor) -> list:
+    def get(self, adapter: str, param: torch.Tensor, model: nn.Module, prompt: torch.Tensor) -> attention.PromptKV:
         key = (param._version, param.data_ptr(), prompt.dtype, prompt.device)
         cached = self._entries.get(adapter)
-        if cached is not None and cached[0] == key and not backbone.training:
+        if cached is not None and cached[0] == key and not model.training:
             return cached[1]
         with torch.no_grad():
-            layers = [(k, v) for k, v, *_ in forward_paths.prompt_pass(backbone, prompt).cache]  # each [1, H, N, hd]
-        if not backbone.training:  # dropout makes a training-mode prompt KV single-use
-            self._entries[adapter] = (key, layers)
-        return layers
+            prompt_kv, _ = forward_paths.prompt_pass(model, forward_paths.RowPrompts([prompt]), riding=0)
+        if not model.training:  # dropout makes a training-mode prompt KV single-use
+            self._entries[adapter] = (key, prompt_kv)
+        return prompt_kv
 
     def drop(self, adapter: Optional[str] = None) -> None:
         if adapter is None:
@@ -42,73 +42,8 @@ class PromptKVStore:
             self._entries.pop(adapter, None)
 
 
-def _generation_value(model: nn.Module, kwargs: dict, key: str):
-    """A generation setting as `generate` would resolve it: call kwargs, then the passed config, then the model's."""
-    if kwargs.get(key) is not None:
-        return kwargs[key]
-    for gen in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
-        if getattr(gen, key, None) is not None:
-            return getattr(gen, key)
-    return None
-
-
-def _placeholder_id(model: nn.Module, kwargs: dict) -> int:
-    # Not the pad id: HF drops an all-ones mask and would then warn about pad tokens it sees in `input_ids`.
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        value = _generation_value(model, kwargs, key)
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if isinstance(value, int):
-            return value
-    return 0
-
-
-def _shift_total_lengths(model: nn.Module, kwargs: dict, num_prompt: int) -> None:
-    """An explicit `max_length`/`min_length` counts the whole sequence; the placeholders must not eat into it.
-
-    (With neither set, HF generates 20 new tokens after whatever the input is, placeholders included.)
-    """
-    for total, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
-        if _generation_value(model, kwargs, new) is None and _generation_value(model, kwargs, total):
-            kwargs[total] = _generation_value(model, kwargs, total) + num_prompt
-
-
-@contextlib.contextmanager
-def _prompt_injected(model: nn.Module, prompt: torch.Tensor, prompt_kv: list):
-    """While active, each forward of `model` sees `[prompt; text]` in place of `[placeholders; text]`."""
-    num_prompt = prompt.shape[0]
-
-    def pre_hook(module, args, kwargs):
-        cache = kwargs.get("cache")
-        if cache is not None and cache.get_seq_length() >= num_prompt:
-            return None  # a decode step: the prompt already lives in the cache
-        ids = kwargs["input_ids"]
-        batch = ids.shape[0]
-        kwargs = dict(kwargs)
-        if cache is not None:
-            for layer_idx, (k, v) in enumerate(prompt_kv):
-                cache.update(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1), layer_idx)  # [B, H, N, hd]
-            kwargs["input_ids"] = ids[:, num_prompt:]
-            if kwargs.get("position_ids") is not None:
-                kwargs["position_ids"] = kwargs["position_ids"][:, num_prompt:]
-        else:
-            # use_cache=False: every step re-runs the whole sequence, so the prompt rides along as embeddings.
-            text = module.get_input_embeddings()(ids[:, num_prompt:])  # [B, T, D]
-            head = prompt.to(text.dtype).unsqueeze(0).expand(batch, -1, -1)  # [B, N, D]
-            kwargs["input_ids"] = None
-            kwargs["inputs_embeds"] = torch.cat([head, text], dim=1)  # [B, N+T, D]
-        return args, kwargs
-
-    handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def generate(model: nn.Module, prompt: torch.Tensor, prompt_kv: list, args: tuple, kwargs: dict):
-    """Run `model.generate` as if `prompt` `[N, D]` preceded every row; returns what the base model would return."""
-    kwargs = dict(kwargs)
+def _inputs(model: nn.Module, num_prompt: int, args: tuple, kwargs: dict):
+    """The call's token ids and `[B, T]` mask, checked; `kwargs` keeps the rest."""
     if args:
         kwargs["input_ids"] = args[0]
     input_ids = kwargs.pop("input_ids", None)
@@ -119,21 +54,60 @@ def generate(model: nn.Module, prompt: torch.Tensor, prompt_kv: list, args: tupl
             f"{'a tensor' if kwargs.get('inputs_embeds') is not None else None}. Pass token ids; the prompt is added "
             "for you."
         )
-    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-        raise ValueError("`cache`/`past_key_values` can't be passed to `generate()`: the soft prompt owns the cache.")
-    num_prompt = prompt.shape[0]
+    for key in ("cache", "past_key_values", "position_ids"):
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"`{key}` can't be passed to `generate()` with a soft prompt, got a {type(kwargs[key]).__name__}: the "
+                "prompt owns positions 0..N-1 (text positions come from `attention_mask`) and the cache."
+            )
     batch, length = input_ids.shape
     semantics.check_fits(num_prompt, length, getattr(model.config, "n_positions", None))
     mask = semantics.text_mask(kwargs.pop("attention_mask", None), batch, length, input_ids.device)  # [B, T]
-    placeholders = input_ids.new_full((batch, num_prompt), _placeholder_id(model, kwargs))
-    _shift_total_lengths(model, kwargs, num_prompt)
-    with _prompt_injected(model, prompt, prompt_kv):
-        out = model.generate(
-            input_ids=torch.cat([placeholders, input_ids], dim=1),  # [B, N+T]
-            attention_mask=semantics.extended_mask(mask, num_prompt),  # [B, N+T]
+    return input_ids, mask
+
+
+@contextlib.contextmanager
+def _prompt_at_attention(model: nn.Module, prompt_kv: attention.PromptKV):
+    """While active, every forward of `model` reads the prompt's keys/values. A decode step's queries follow the text
+    its cache has seen (the cache holds the text alone)."""
+
+    def pre_hook(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        seen = cache.get_seq_length() if cache is not None else 0
+        return args, {**kwargs, attention.KWARG: prompt_kv.at(int(seen))}
+
+    handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def generate(model: nn.Module, prompt_kv: attention.PromptKV, args: tuple, kwargs: dict):
+    """Run `model.generate` as if the prompt behind `prompt_kv` preceded every row."""
+    kwargs = dict(kwargs)
+    num_prompt = int(prompt_kv.lengths.max())
+    input_ids, mask = _inputs(model, num_prompt, args, kwargs)
+    with _prompt_at_attention(model, prompt_kv):
+        return model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=semantics.positions(mask, num_prompt),  # [B, T]; generate extends them by one a step
             **kwargs,
         )
-    if isinstance(out, torch.Tensor):
-        return out[:, num_prompt:]  # [B, T+new]
-    out.sequences = out.sequences[:, num_prompt:]
-    return out
+
+
+def generate_concat(model: nn.Module, prompt: torch.Tensor, args: tuple, kwargs: dict):
+    """`[prompt; text]` as `inputs_embeds` at prefill; `input_ids` keep the text, so the output and the logits
+    processors see token ids only."""
+    kwargs = dict(kwargs)
+    num_prompt = prompt.shape[0]
+    input_ids, mask = _inputs(model, num_prompt, args, kwargs)
+    embeds = model.get_input_embeddings()(input_ids)  # [B, T, D]
+    head = prompt.to(embeds.dtype).unsqueeze(0).expand(input_ids.shape[0], -1, -1)  # [B, N, D]
+    return model.generate(
+        input_ids=input_ids,
+        inputs_embeds=torch.cat([head, embeds], dim=1),  # [B, N+T, D]
+        attention_mask=semantics.extended_mask(mask, num_prompt),  # [B, N+T]
+        **kwargs,
+    )

@@ -6,7 +6,7 @@ padding never moves a real token.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -30,37 +30,18 @@ def extended_mask(mask: torch.Tensor, num_prompt: int) -> torch.Tensor:
     return torch.cat([ones, mask], dim=1)  # [B, N+L]
 
 
-# How each attention implementation reads a ready 4-D mask (transformers passes 4-D masks through untouched):
-# sdpa takes booleans (True = attend), eager adds the mask to the scores. Others get the 2-D mask instead.
-_SHARED_MASK_FORMS: dict[str, Callable[[torch.Tensor, torch.dtype], torch.Tensor]] = {
-    "sdpa": lambda allowed, dtype: allowed,
-    "eager": lambda allowed, dtype: torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min
-    ),
-}
+def positions(mask: torch.Tensor, offset) -> torch.Tensor:
+    """Position ids for a sequence whose first real token sits at `offset` (an int or one per row, `[B]`): each token
+    takes `offset + (real tokens before it)`, padding its neighbour's, which attention never reads."""
+    real_before = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, S]
+    offset = torch.as_tensor(offset, device=mask.device)
+    return real_before + (offset[:, None] if offset.dim() else offset)  # [B, S]
 
 
-def shared_mask(
-    cached: int, queries: int, attn_implementation: Optional[str], dtype: torch.dtype, device
-) -> Optional[torch.Tensor]:
-    """One causal mask `[1, 1, queries, cached+queries]` for unpadded rows, or None for an unknown implementation.
-
-    Rows without padding see the same pattern, so one small mask serves the batch instead of the `[B, 1, q, k]`
-    one that attention would otherwise build (and, for sdpa, convert and keep for backward in every layer).
-    """
-    form = _SHARED_MASK_FORMS.get(attn_implementation)
-    if form is None:
-        return None
-    allowed = torch.ones(queries, cached + queries, dtype=torch.bool, device=device).tril(diagonal=cached)  # [q, k]
-    return form(allowed, dtype)[None, None]  # [1, 1, q, k]
-
-
-def positions(mask: torch.Tensor, num_prompt: int) -> torch.Tensor:
-    """Position ids for `[prompt; text]`; padding takes its neighbour's position, which attention never reads."""
-    batch = mask.shape[0]
-    real_before = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, L]
-    prompt = torch.arange(num_prompt, device=mask.device).expand(batch, num_prompt)  # [B, N]
-    return torch.cat([prompt, real_before + num_prompt], dim=1)  # [B, N+L]
+def prompted_positions(mask: torch.Tensor, num_prompt: int) -> torch.Tensor:
+    """Position ids for `[prompt; text]`: the prompt's `0..N-1`, then the text's from `N`."""
+    prompt = torch.arange(num_prompt, device=mask.device).expand(mask.shape[0], num_prompt)  # [B, N]
+    return torch.cat([prompt, positions(mask, num_prompt)], dim=1)  # [B, N+L]
 
 
 def prefixed_labels(labels: Optional[torch.Tensor], count: int) -> Optional[torch.Tensor]:
@@ -69,6 +50,14 @@ def prefixed_labels(labels: Optional[torch.Tensor], count: int) -> Optional[torc
         return labels
     pad = labels.new_full((labels.shape[0], count), IGNORE_INDEX)
     return torch.cat([pad, labels], dim=1)  # [B, count+L]
+
+
+def targets(labels: torch.Tensor, prompted: torch.Tensor) -> torch.Tensor:
+    """How many labels the loss averages over: every label of a prompted row (its last prompt position predicts label
+    0), labels 1.. of a row without a prompt. At least 1, so a batch with no target gives a zero loss, not NaN."""
+    counted = labels != IGNORE_INDEX  # [B, L]
+    counted[:, 0] &= prompted.to(labels.device)
+    return counted.sum().clamp(min=1)
 
 
 def last_real_index(mask: torch.Tensor) -> torch.Tensor:

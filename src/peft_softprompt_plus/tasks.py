@@ -13,6 +13,7 @@ from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForSeque
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from . import semantics
+from .semantics import IGNORE_INDEX
 from .forward_paths import PromptedBatch
 
 # transformers' Trainer counts `num_items_in_batch` over `labels[..., 1:]` when a model's `loss_type` maps to
@@ -54,7 +55,7 @@ def _strip(output, riding: int, length: int):
 # Forward keywords that leave the loss to the model's own `loss_function`. Anything else (TRL's `fused_lm_head`, say)
 # may compute the loss or metrics from the labels the model sees, so the last prompt position then rides along.
 _PLAIN_KWARGS = frozenset(
-    {"num_items_in_batch", "return_dict", "output_attentions", "output_hidden_states", "use_cache"}
+    {"num_items_in_batch", "return_dict", "output_attentions", "output_hidden_states", "use_cache", "token_type_ids"}
 )
 _SUM_OVER_ITEMS_LOSSES = (ForCausalLMLoss, _prompted_causal_lm_loss)
 
@@ -67,23 +68,28 @@ def _causal_lm_riding(model: nn.Module, labels: Optional[torch.Tensor], kwargs: 
     return 0 if labels is None or model.loss_function in _SUM_OVER_ITEMS_LOSSES else 1
 
 
+def _first_token_term(model: nn.Module, batch: PromptedBatch, labels: torch.Tensor, total) -> torch.Tensor:
+    """Each prompted row's last prompt position predicts its text token 0: `[A, V]` logits, once per prompt."""
+    rows = batch.row_prompts
+    logits = model.get_output_embeddings()(batch.prompt_last)  # [A, V]
+    first = rows.per_row(logits, labels.shape[0]).unsqueeze(1)  # [B, 1, V]
+    targets = labels[:, :1].masked_fill(~rows.has_prompt(labels.shape[0], labels.device)[:, None], IGNORE_INDEX)
+    return model.loss_function(first, None, first.shape[-1], num_items_in_batch=total, shift_labels=targets)
+
+
 def _causal_lm(model: nn.Module, batch: PromptedBatch, labels: Optional[torch.Tensor], kwargs: dict):
     # The wrapped model computes the text's loss itself, so `num_items_in_batch` and wrappers such as TRL's fused
     # head see the labels. Text token 0 is predicted by the last prompt position: riding with the text, or from the
-    # shared pass's `prompt_tail`, once for all rows.
-    if batch.prompt_tail is None or labels is None:
+    # prompt pass's output, once per prompt.
+    if batch.prompt_last is None or labels is None:
         output = model(**batch.kwargs, labels=semantics.prefixed_labels(labels, batch.riding), **kwargs)
         return _strip(output, batch.riding, batch.mask.shape[1])
     kwargs = dict(kwargs)
     total = kwargs.pop("num_items_in_batch", None)
     if total is None:
-        total = (labels != semantics.IGNORE_INDEX).sum()  # every label is a target, label 0 included
+        total = semantics.targets(labels, batch.row_prompts.has_prompt(labels.shape[0], labels.device))
     output = model(**batch.kwargs, labels=labels, num_items_in_batch=total, **kwargs)  # sum over tokens 1.. / total
-    first = model.get_output_embeddings()(batch.prompt_tail)  # [1, V]
-    first = first.expand(labels.shape[0], -1).unsqueeze(1)  # [B, 1, V]
-    vocab = first.shape[-1]
-    head = model.loss_function(first, None, vocab, num_items_in_batch=total, shift_labels=labels[:, :1])
-    output.loss = output.loss + head.to(output.loss.device)
+    output.loss = output.loss + _first_token_term(model, batch, labels, total).to(output.loss.device)
     return output
 
 
@@ -98,13 +104,13 @@ def _sequence_classification(model: nn.Module, batch: PromptedBatch, labels: Opt
     loss = None
     if labels is not None:
         loss = ForSequenceClassificationLoss(labels.to(logits.device), logits, model.config)
-    return SequenceClassifierOutputWithPast(
+    output = SequenceClassifierOutputWithPast(
         loss=loss,
         logits=logits,
-        cache=getattr(out, "cache", None),
         hidden_states=getattr(out, "hidden_states", None),
         attentions=getattr(out, "attentions", None),
     )
+    return _strip(output, batch.riding, batch.mask.shape[1])
 
 
 @dataclass(frozen=True)

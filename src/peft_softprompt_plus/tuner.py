@@ -5,8 +5,6 @@ PEFT calls into it as it would into LoRA; the prompt itself lives in a `SoftProm
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Optional
 
 import torch
@@ -15,7 +13,7 @@ from peft.utils import set_additional_trainable_modules
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from . import forward_paths, generation, gradient_flow, semantics, tying
+from . import attention, forward_paths, generation, gradient_flow, semantics, tying
 from ._peft_registry import PREFIX
 from .config import ForwardPath, SoftPromptPlusConfig
 from .prompt_bank import SoftPromptBank
@@ -29,13 +27,6 @@ _SAVED_KEY = f"{_BANK}.prompt"
 def _task_name(config: SoftPromptPlusConfig) -> str:
     task = config.task_type or "CAUSAL_LM"
     return str(getattr(task, "value", task))
-
-
-@functools.lru_cache(maxsize=None)
-def _accepts_cache(model_cls: type) -> bool:
-    # Per class, once: `inspect.signature` on every forward would sit on the hot path.
-    params = inspect.signature(model_cls.forward).parameters
-    return "cache" in params or "past_key_values" in params
 
 
 def _checkpointing(model: nn.Module) -> bool:
@@ -90,6 +81,14 @@ class SoftPromptPlusModel(BaseTuner):
             self.softprompt_plus = SoftPromptBank()
             self._kv_store = generation.PromptKVStore()
             self._pending_validation: set[str] = set()
+            self._own_attention = attention.install(model)
+            self._attention_path = forward_paths.attention_supported(model)
+            if not self._attention_path:
+                attention.uninstall(model, self._own_attention)
+                attention.log_once(
+                    f"{type(model).__name__} computes attention outside transformers' attention registry: its soft "
+                    "prompt is concatenated to every row (forward_path='concat')."
+                )
         trainable = adapter_name in self.active_adapters and not config.inference_mode
         try:
             values = initial_prompt(config, model.get_input_embeddings(), model.config)
@@ -115,6 +114,7 @@ class SoftPromptPlusModel(BaseTuner):
         if adapter_name in self.softprompt_plus.prompt:
             del self.softprompt_plus.prompt[adapter_name]
         if not self.softprompt_plus.prompt:
+            attention.uninstall(model, self._own_attention)
             for name, param in model.named_parameters():
                 param.requires_grad_(self._base_requires_grad.get(name, param.requires_grad))
 
@@ -191,6 +191,11 @@ class SoftPromptPlusModel(BaseTuner):
         set_requires_grad(self, adapter_names=adapter_names, requires_grad=requires_grad)
 
     def _enable_adapter_layers(self, enabled: bool = True) -> None:
+        # A disabled adapter hands the model its own attention setting back, as `unload()` does.
+        if not enabled:
+            attention.uninstall(self.model, self._own_attention)
+        elif self._attention_path:
+            self._own_attention = attention.install(self.model)
         for module in self.modules():
             if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
                 module.enable_adapters(enabled)
@@ -204,6 +209,7 @@ class SoftPromptPlusModel(BaseTuner):
     def unload(self) -> nn.Module:
         """Return the base model exactly as it came: same objects, same weights, same `requires_grad` flags."""
         model = self._unload_and_optionally_merge(merge=False)
+        attention.uninstall(model, self._own_attention)
         if hasattr(model, "loss_type"):
             model.loss_type = self._base_loss_type
         for name, param in model.named_parameters():
@@ -227,20 +233,19 @@ class SoftPromptPlusModel(BaseTuner):
         weight = self.model.get_input_embeddings().weight
         return self.softprompt_plus.prompt[adapter_name].to(device=weight.device, dtype=weight.dtype)  # [N, D]
 
-    def _cached_positions(self, config: SoftPromptPlusConfig, task, num_prompt: int, labels, kwargs: dict) -> int:
-        checkpointing = _checkpointing(self.model) and self.training
+    def _uses_attention(self, config: SoftPromptPlusConfig) -> bool:
+        """The attention path unless asked for concatenation or the family can't take it."""
         path = config.forward_path
-        if path == ForwardPath.SHARED_KV.value and checkpointing:
+        if path == ForwardPath.SHARED_KV.value and not self._attention_path:
             raise ValueError(
-                "`forward_path='shared_kv'` can't run with gradient checkpointing in training mode: GPT-2 drops the "
-                "cache that carries the prompt. Use `forward_path='auto'` (falls back to concatenation) or 'concat'."
+                f"`forward_path='shared_kv'` needs a model whose attention runs through transformers' attention "
+                f"registry; {type(self.model).__name__} computes its own. Use `forward_path='auto'` or 'concat'."
             )
-        if path == ForwardPath.AUTO.value:
-            shared = not checkpointing and _accepts_cache(type(self.model))
-            path = ForwardPath.SHARED_KV.value if shared else ForwardPath.CONCAT.value
-        if path != ForwardPath.SHARED_KV.value:
-            return 0
-        return num_prompt - task.riding_when_shared(self.model, labels, kwargs)
+        if path == ForwardPath.CONCAT.value or not self._attention_path:
+            return False
+        if not attention.is_installed(self.model.config):  # `set_attn_implementation` since attaching
+            self._own_attention = attention.install(self.model)
+        return True
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, **kwargs):
         adapter = self._active()
@@ -273,18 +278,24 @@ class SoftPromptPlusModel(BaseTuner):
         prompt = self.prompt_for_use(adapter)  # [N, D]
         text = input_ids if input_ids is not None else inputs_embeds
         semantics.check_fits(prompt.shape[0], text.shape[1], getattr(self.model.config, "n_positions", None))
-        cached = self._cached_positions(config, task, prompt.shape[0], labels, kwargs)
-        batch = forward_paths.build(self.model, prompt, cached, input_ids, inputs_embeds, attention_mask)
+        rows = forward_paths.RowPrompts([prompt])
+        if self._uses_attention(config):
+            riding = task.riding_when_shared(self.model, labels, kwargs)
+            batch = forward_paths.build_attention(self.model, rows, riding, input_ids, inputs_embeds, attention_mask)
+        else:
+            batch = forward_paths.build_concat(self.model, rows, input_ids, inputs_embeds, attention_mask)
         return task.run(self.model, batch, labels, kwargs)
 
     def generate(self, *args, **kwargs):
         adapter = self._active()
         if adapter is None:
             return self.model.generate(*args, **kwargs)
-        prompt = self.prompt_for_use(adapter)
+        prompt = self.prompt_for_use(adapter)  # [N, D]
+        if not self._uses_attention(self.peft_config[adapter]):
+            return generation.generate_concat(self.model, prompt, args, kwargs)
         param = self.softprompt_plus.prompt[adapter]
-        prompt_kv = self._kv_store.get(adapter, param, self.model.base_model, prompt)
-        return generation.generate(self.model, prompt, prompt_kv, args, kwargs)
+        prompt_kv = self._kv_store.get(adapter, param, self.model, prompt)
+        return generation.generate(self.model, prompt_kv, args, kwargs)
 
     # ------------------------------------------------------------------ (de)serialization hooks
 
