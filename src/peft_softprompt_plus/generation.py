@@ -61,7 +61,7 @@ def _inputs(model: nn.Module, num_prompt: int, args: tuple, kwargs: dict):
                 "prompt owns positions 0..N-1 (text positions come from `attention_mask`) and the cache."
             )
     batch, length = input_ids.shape
-    semantics.check_fits(num_prompt, length, getattr(model.config, "n_positions", None))
+    semantics.check_fits(num_prompt, length, semantics.max_positions(model.config))
     mask = semantics.text_mask(kwargs.pop("attention_mask", None), batch, length, input_ids.device)  # [B, T]
     return input_ids, mask
 

@@ -67,10 +67,18 @@ def last_real_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), idx, torch.full_like(idx, -1)).max(dim=1).values.clamp(min=0)  # [B]
 
 
+def max_positions(config) -> Optional[int]:
+    """The model's position limit: `n_positions` (GPT-2 style) or `max_position_embeddings`; None (ALiBi) for none."""
+    for name in ("n_positions", "max_position_embeddings"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    return None
+
+
 def check_fits(num_prompt: int, length: int, max_positions: Optional[int]) -> None:
     if max_positions is not None and num_prompt + length > max_positions:
         raise ValueError(
             f"The prompt (num_virtual_tokens N={num_prompt}) plus the text (L={length} tokens) needs "
-            f"{num_prompt + length} positions, but the model has n_positions={max_positions}. Truncate the text to "
+            f"{num_prompt + length} positions, but the model has {max_positions} positions. Truncate the text to "
             f"at most {max_positions - num_prompt} tokens or use fewer virtual tokens."
         )

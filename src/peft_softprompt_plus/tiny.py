@@ -7,7 +7,14 @@ from typing import Optional
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerFast
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 
@@ -90,3 +97,50 @@ def save_tiny(path: str, seed: int = 0, **overrides) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# One tiny, dropout-free config per decoder family the library is tested on (`tests/test_families.py`). Sliding
+# windows (8) are shorter than the test sequences, so a prompt can fall out of a layer's window.
+_IDS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=1)
+_LLAMA_LIKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, **_IDS)
+FAMILIES: dict[str, tuple[str, dict]] = {  # name -> (config class in transformers, its arguments)
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, **_IDS)),
+    "gpt_neox": ("GPTNeoXConfig", _LLAMA_LIKE),
+    "opt": (
+        "OPTConfig",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            ffn_dim=128,
+            word_embed_proj_dim=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            **_IDS,
+        ),
+    ),
+    "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4, **_IDS)),
+    "falcon": ("FalconConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **_IDS)),
+    "llama": ("LlamaConfig", dict(_LLAMA_LIKE, num_key_value_heads=2)),
+    "mistral": ("MistralConfig", dict(_LLAMA_LIKE, num_key_value_heads=2, sliding_window=8)),
+    "qwen2": (
+        "Qwen2Config",
+        dict(_LLAMA_LIKE, num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    ),
+    "phi3": ("Phi3Config", dict(_LLAMA_LIKE, num_key_value_heads=2)),
+    "gemma2": (  # soft-capping needs eager attention
+        "Gemma2Config",
+        dict(_LLAMA_LIKE, num_key_value_heads=2, head_dim=16, sliding_window=8, attn_implementation="eager"),
+    ),
+}
+
+
+def tiny_family(name: str, vocab_size: int = 300, seed: int = 0):
+    """A seeded tiny causal LM of family `name` (a key of `FAMILIES`), in eval mode."""
+    if name not in FAMILIES:
+        raise ValueError(f"`name` must be one of {sorted(FAMILIES)}, got {name!r}.")
+    config_name, kwargs = FAMILIES[name]
+    config = getattr(transformers, config_name)(vocab_size=vocab_size, **kwargs)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()

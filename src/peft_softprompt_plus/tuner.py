@@ -277,7 +277,7 @@ class SoftPromptPlusModel(BaseTuner):
         task = TASKS[_task_name(config)]
         prompt = self.prompt_for_use(adapter)  # [N, D]
         text = input_ids if input_ids is not None else inputs_embeds
-        semantics.check_fits(prompt.shape[0], text.shape[1], getattr(self.model.config, "n_positions", None))
+        semantics.check_fits(prompt.shape[0], text.shape[1], semantics.max_positions(self.model.config))
         rows = forward_paths.RowPrompts([prompt])
         if self._uses_attention(config):
             riding = task.riding_when_shared(self.model, labels, kwargs)

@@ -1,0 +1,100 @@
+"""The prompt at the attention across decoder families (attention.py): every family in `tiny.FAMILIES` against a
+plain `inputs_embeds` concatenation reference, with left padding, with gradient checkpointing, and in `generate`."""
+
+import inspect
+
+import pytest
+import torch
+from peft import get_peft_model
+
+from peft_softprompt_plus import SoftPromptPlusConfig
+from peft_softprompt_plus.tiny import FAMILIES, tiny_family
+
+N = 5
+VOCAB = 300
+# Families whose attention doesn't run through transformers' registry: they fall back to concatenation.
+CONCAT_ONLY = {"bloom", "falcon"}
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, VOCAB, (3, 12), generator=g)  # 5 + 12 > every sliding window (8)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, :2] = 0
+    return ids, mask
+
+
+def reference_logits(base, prompt, ids, mask):
+    """`[prompt; text]` through `inputs_embeds`: prompt positions 0..N-1, text from N counting real tokens."""
+    embeds = base.get_input_embeddings()(ids)  # [B, L, D]
+    rows, num_prompt = ids.shape[0], prompt.shape[0]
+    kwargs = {
+        "inputs_embeds": torch.cat([prompt.to(embeds.dtype).expand(rows, -1, -1), embeds], dim=1),
+        "attention_mask": torch.cat([torch.ones(rows, num_prompt, dtype=mask.dtype), mask], dim=1),
+    }
+    if "position_ids" in inspect.signature(base.forward).parameters:
+        text = num_prompt + (mask.cumsum(1) - 1).clamp(min=0)
+        kwargs["position_ids"] = torch.cat([torch.arange(num_prompt).expand(rows, -1), text], dim=1)
+    return base(**kwargs).logits[:, num_prompt:]  # [B, L, V]
+
+
+def attach(family):
+    model = get_peft_model(
+        tiny_family(family, VOCAB), SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=N, init_seed=0)
+    )
+    return model, model.base_model.softprompt_plus.prompt["default"]
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request):
+    return request.param
+
+
+def test_path_is_the_attention_where_the_family_allows_it(family):
+    model, _ = attach(family)
+    assert model.base_model._attention_path is (family not in CONCAT_ONLY)
+    attn = model.config._attn_implementation
+    assert attn.startswith("softprompt_plus_") is (family not in CONCAT_ONLY)
+    own = tiny_family(family, VOCAB).config._attn_implementation
+    assert model.unload().config._attn_implementation == own  # the model's own setting comes back
+
+
+@pytest.mark.parametrize("checkpointing", [None, "non_reentrant", "reentrant"])
+def test_left_padded_logits_and_gradient_equal_concatenation(family, checkpointing):
+    model, prompt = attach(family)
+    reference = tiny_family(family, VOCAB)
+    ids, mask = batch()
+    real = mask.bool()
+    if checkpointing:
+        model.get_base_model().gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
+        )
+    model.train()
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    assert logits.shape == (3, 12, VOCAB)
+    copy = prompt.detach().clone().requires_grad_()
+    want = reference_logits(reference.train(), copy, ids, mask)
+    torch.testing.assert_close(logits[real], want[real], atol=1e-4, rtol=1e-4)
+    # A loss over every real position reaches the prompt through every layer.
+    logits[real].logsumexp(-1).sum().backward()
+    want[real].logsumexp(-1).sum().backward()
+    assert rel(prompt.grad, copy.grad) <= 1e-4
+
+
+def test_greedy_generate_equals_a_no_cache_loop(family):
+    model, prompt = attach(family)
+    reference = tiny_family(family, VOCAB)
+    ids, mask = batch()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=1)
+    want, want_mask = ids, mask
+    for _ in range(6):
+        with torch.no_grad():
+            step = reference_logits(reference, prompt.detach(), want, want_mask)[:, -1].argmax(-1, keepdim=True)
+        want = torch.cat([want, step], dim=1)
+        want_mask = torch.cat([want_mask, torch.ones_like(step)], dim=1)
+    assert torch.equal(out, want)
