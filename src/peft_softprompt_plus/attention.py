@@ -62,6 +62,13 @@ class PromptKV:
             self._masks[cache_key] = self._build_mask(text_mask, query, key, window, additive)
         return self._masks[cache_key]
 
+    def blocked(self, mask: torch.Tensor) -> torch.Tensor:
+        """`~mask` as `[b, 1, 1, q, M+kv]`, for the split form's grouped scores; once per forward."""
+        cache_key = ("blocked", id(mask))
+        if cache_key not in self._masks:
+            self._masks[cache_key] = ~mask[:, :, None]
+        return self._masks[cache_key]
+
     def _build_mask(self, text_mask, query, key, window, additive):
         device, (batch, q, kv), width = query.device, (query.shape[0], query.shape[2], key.shape[2]), self.max_length
         t = torch.arange(q, device=device) + self.query_offset  # [q] each query's index in the text
@@ -126,7 +133,8 @@ def _attention_function(kernel_name: str) -> Callable:
         if prompt_kv is None:
             return kernel(module, query, key, value, attention_mask, **kwargs)
         if prompt_kv.capturing:
-            prompt_kv.layers[module] = (key, value)  # [A, Hkv, M, hd] each
+            # The first record stands: a checkpointed prompt pass records again when backward recomputes it.
+            prompt_kv.layers.setdefault(module, (key, value))  # [A, Hkv, M, hd] each
             return kernel(module, query, key, value, attention_mask, **kwargs)
         if module not in prompt_kv.layers:
             raise RuntimeError(
@@ -134,14 +142,48 @@ def _attention_function(kernel_name: str) -> Callable:
                 "model's layers don't all route attention alike. Use `forward_path='concat'` for this model."
             )
         prompt_k, prompt_v = prompt_kv.layers[module]
+        mask = prompt_kv.mask(attention_mask, query, key, kwargs.get("sliding_window") or None, additive)
+        if not additive and _decoding(query, kwargs):
+            return _split_attention(prompt_kv, query, (prompt_k, prompt_v), (key, value), mask, kwargs.get("scaling"))
         batch = query.shape[0]
         key = torch.cat([prompt_kv.for_rows(prompt_k, batch).to(key.dtype), key], dim=2)  # [B, Hkv, M+kv, hd]
         value = torch.cat([prompt_kv.for_rows(prompt_v, batch).to(value.dtype), value], dim=2)
-        window = kwargs.get("sliding_window") or None
-        mask = prompt_kv.mask(attention_mask, query, key[:, :, prompt_k.shape[2] :], window, additive)
         return kernel(module, query, key, value, mask, **kwargs)
 
     return attend
+
+
+def _decoding(query: torch.Tensor, kwargs: dict) -> bool:
+    """A few queries without autograd (a decode step): concatenating would copy every row's keys/values each step."""
+    return query.shape[2] <= 8 and not torch.is_grad_enabled() and not kwargs.get("dropout")
+
+
+def _split_attention(prompt_kv: PromptKV, query, prompt: tuple, text: tuple, mask, scaling):
+    """Softmax attention over `[prompt; text]` keys without building them: the prompt's scores come from one batched
+    product of every row's queries with the single prompt copy (Hydragen's split); one softmax covers both parts.
+
+    `query` `[B, H, q, hd]`; `prompt` `[A, Hkv, M, hd]` pair; `text` `[B, Hkv, kv, hd]` pair; `mask` bool
+    `[b, 1, q, M+kv]`. Returns the kernel's `([B, q, H, hd], None)`.
+    """
+    (prompt_k, prompt_v), (key, value) = prompt, text
+    batch, heads, q, dim = query.shape
+    kv_heads, width = key.shape[1], prompt_k.shape[2]
+    rows = heads // kv_heads * q  # query rows per key/value head (GQA groups x queries)
+    grouped = query.reshape(batch, kv_heads, rows, dim)  # [B, Hkv, G*q, hd]
+
+    def times_prompt(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:  # [B, Hkv, G*q, .] @ [A, Hkv, ., .]
+        if prompt_kv.rows is not None:
+            return left @ prompt_kv.for_rows(right, batch)  # per-row prompts: a gathered copy each
+        folded = left.transpose(0, 1).reshape(kv_heads, batch * rows, left.shape[-1])  # [Hkv, B*G*q, .]
+        return (folded @ right[0]).view(kv_heads, batch, rows, -1).transpose(0, 1)  # [B, Hkv, G*q, .]
+
+    scale = scaling if scaling is not None else dim**-0.5
+    scores = torch.cat([times_prompt(grouped, prompt_k.transpose(-1, -2)), grouped @ key.transpose(-1, -2)], dim=-1)
+    scores = scores.view(batch, kv_heads, -1, q, scores.shape[-1])  # [B, Hkv, G, q, M+kv]
+    scores.mul_(scale).masked_fill_(prompt_kv.blocked(mask), float("-inf"))
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype).reshape(batch, kv_heads, rows, -1)
+    out = times_prompt(weights[..., :width], prompt_v) + weights[..., width:] @ value  # [B, Hkv, G*q, hd]
+    return out.reshape(batch, heads, q, dim).transpose(1, 2), None  # [B, q, H, hd]
 
 
 def _register() -> None:

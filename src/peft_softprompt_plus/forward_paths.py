@@ -112,7 +112,10 @@ def prompt_pass(model: nn.Module, row_prompts: RowPrompts, riding: int) -> tuple
     lengths = torch.tensor([p.shape[0] for p in shared], device=stack.device)  # [A]
     record = attention.PromptKV(lengths=lengths, rows=row_prompts.rows, capturing=True)
     pos = torch.arange(width, device=stack.device).expand(len(shared), width)  # [A, M]
-    with _not_checkpointed(_checkpointed_layers(model)):
+    # Reentrant checkpointing runs a layer's forward without autograd, which would cut the keys/values it records
+    # from the prompt; other checkpointing recomputes the pass in backward like the text's.
+    layers = [layer for layer in _checkpointed_layers(model) if _reentrant(layer)]
+    with _not_checkpointed(layers):
         out = model.base_model(inputs_embeds=stack, position_ids=pos, use_cache=False, **{attention.KWARG: record})
     if not record.layers:
         raise RuntimeError(f"{type(model).__name__}'s attention never ran through the attention registry.")

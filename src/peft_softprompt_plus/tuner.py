@@ -228,6 +228,13 @@ class SoftPromptPlusModel(BaseTuner):
             )
         return self.active_adapters[0]
 
+    def prompt(self, adapter_name: Optional[str] = None) -> nn.Parameter:
+        """The float32 `[N, D]` prompt of `adapter_name` (default: the active adapter): the leaf an optimizer trains."""
+        name = adapter_name if adapter_name is not None else self.active_adapters[0]
+        if name not in self.softprompt_plus.prompt:
+            raise ValueError(f"`adapter_name`={name!r} does not exist; adapters: {list(self.softprompt_plus.prompt)}.")
+        return self.softprompt_plus.prompt[name]
+
     def prompt_for_use(self, adapter_name: str) -> torch.Tensor:
         """The float32 leaf cast to the embedding's dtype/device at the point of use: its gradient stays float32."""
         weight = self.model.get_input_embeddings().weight
