@@ -134,8 +134,8 @@ class Timings:
 
     def line(self) -> str:
         return (
-            f"wall median {1e3 * self.med():8.1f} ms (min {1e3 * min(self.wall):7.1f}, max {1e3 * max(self.wall):7.1f})"
-            f"; cpu median {1e3 * self.med('cpu'):8.1f} ms"
+            f"wall median {1e3 * self.med():8.1f} ms (min {1e3 * min(self.wall):7.1f}, "
+            f"max {1e3 * max(self.wall):7.1f}); cpu median {1e3 * self.med('cpu'):8.1f} ms"
         )
 
 

@@ -59,7 +59,9 @@ def bench_train(shape: c.Shape, n: int, checkpointing: bool, reps: int, warmup: 
     )
     rows.append(c.Row(f"{tag}: train step ours, ms (context)", 1e3 * times["ours"].med(), fmt="{:.0f}"))
     if n == 100:
-        peaks = {name: c.step_peak(step, m) for (name, step), m in zip(steps.items(), (model, ref, floor))}
+        peaks = {
+            name: c.step_peak(step, m) for (name, step), m in zip(steps.items(), (model, ref, floor), strict=True)
+        }
         print("  [" + tag + "] step peak MB: " + ", ".join(f"{k} {v / c.MB:.1f}" for k, v in peaks.items()))
         rows.append(c.Row(f"{tag}: step peak memory ours / PEFT", peaks["ours"] / peaks["peft"], target=MEMORY))
         rows.append(c.Row(f"{tag}: step peak memory floor / PEFT (context)", peaks["floor"] / peaks["peft"]))
@@ -100,7 +102,7 @@ def bench_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row]) ->
             same = torch.equal(_greedy(model, ids, mask), _greedy(ref, ids, mask))
             cache_bytes[n] = _cache_bytes_per_row(model, ids, mask)
             times = c.interleaved(
-                {"base": lambda: _greedy(base, ids, mask), "ours": lambda: _greedy(model, ids, mask)}, reps, warmup
+                {"base": lambda: _greedy(base, ids, mask), "ours": lambda m=model: _greedy(m, ids, mask)}, reps, warmup
             )
         for name, t in times.items():
             print(f"  [{tag}] {name:<6} {t.line()}", flush=True)
@@ -111,7 +113,8 @@ def bench_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row]) ->
     with torch.no_grad():
         base_bytes = _cache_bytes_per_row(base, ids, mask)
     print(
-        f"  cache KB per row: base {base_bytes / 1024:.0f}, N=20 {cache_bytes[20] / 1024:.0f}, N=100 {cache_bytes[100] / 1024:.0f}"
+        f"  cache KB per row: base {base_bytes / 1024:.0f}, "
+        + ", ".join(f"N={n} {b / 1024:.0f}" for n, b in cache_bytes.items())
     )
     rows.append(
         c.Row(

@@ -13,8 +13,8 @@ from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForSeque
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from . import semantics
-from .semantics import IGNORE_INDEX
 from .forward_paths import PromptedBatch
+from .semantics import IGNORE_INDEX
 
 # transformers' Trainer counts `num_items_in_batch` over `labels[..., 1:]` when a model's `loss_type` maps to
 # ForCausalLMLoss itself (every `*ForCausalLM` class), and over all labels otherwise (GPT2LMHeadModel). With a prompt

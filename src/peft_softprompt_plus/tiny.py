@@ -6,8 +6,8 @@ import os
 from typing import Optional
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,

@@ -229,7 +229,7 @@ class SoftPromptPlusModel(BaseTuner):
         return self.active_adapters[0]
 
     def prompt(self, adapter_name: Optional[str] = None) -> nn.Parameter:
-        """The float32 `[N, D]` prompt of `adapter_name` (default: the active adapter): the leaf an optimizer trains."""
+        """The float32 `[N, D]` prompt of `adapter_name` (default: the active adapter): the leaf to optimize."""
         name = adapter_name if adapter_name is not None else self.active_adapters[0]
         if name not in self.softprompt_plus.prompt:
             raise ValueError(f"`adapter_name`={name!r} does not exist; adapters: {list(self.softprompt_plus.prompt)}.")
