@@ -43,6 +43,29 @@ class PromptKV:
     layers: dict = field(default_factory=dict)
     _masks: dict = field(default_factory=dict)
 
+    @classmethod
+    def stack(cls, single: list["PromptKV"], rows: Optional[torch.Tensor]) -> "PromptKV":
+        """One `PromptKV` over several one-prompt ones (right-padded to the longest), read by `rows`."""
+        if len(single) == 1:
+            return cls(single[0].lengths, rows, layers=single[0].layers)
+        width = max(kv.max_length for kv in single)
+
+        def padded(tensors):  # each [1, Hkv, M_a, hd] -> [A, Hkv, M, hd]
+            return torch.cat([nn.functional.pad(t, (0, 0, 0, width - t.shape[2])) for t in tensors])
+
+        layers = {
+            module: (padded([kv.layers[module][0] for kv in single]), padded([kv.layers[module][1] for kv in single]))
+            for module in single[0].layers
+        }
+        return cls(torch.cat([kv.lengths for kv in single]), rows, layers=layers)
+
+    def row_lengths(self, batch: int, device) -> torch.Tensor:
+        """`[B]` prompt positions each row reads (0 for a row without a prompt)."""
+        lengths = self.lengths.to(device)
+        if self.rows is None:
+            return lengths.expand(batch)
+        return torch.where(self.rows_mask(batch, device), self.for_rows(lengths, batch), 0)
+
     def at(self, query_offset: int) -> "PromptKV":
         """The same prompt keys/values for a forward whose first query sits at `query_offset` (a decode step)."""
         return PromptKV(self.lengths, self.rows, False, query_offset, self.layers)
@@ -78,9 +101,7 @@ class PromptKV:
             text = allowed[None, None]  # [1, 1, q, kv]
         else:
             text = text_mask == 0 if additive else text_mask  # [b, 1, q, kv] True = attend
-        lengths = self.lengths.to(device)  # [1] for one prompt read by every row
-        if self.rows is not None:
-            lengths = torch.where(self.rows_mask(batch, device), self.for_rows(lengths, batch), 0)  # [B]
+        lengths = self.lengths.to(device) if self.rows is None else self.row_lengths(batch, device)  # [1] or [B]
         j = torch.arange(width, device=device)  # [M] prompt key index
         prompt = j[None, None, None, :] < lengths[:, None, None, None]  # [b', 1, 1, M]
         if window:
@@ -180,8 +201,10 @@ def _split_attention(prompt_kv: PromptKV, query, prompt: tuple, text: tuple, mas
     scale = scaling if scaling is not None else dim**-0.5
     scores = torch.cat([times_prompt(grouped, prompt_k.transpose(-1, -2)), grouped @ key.transpose(-1, -2)], dim=-1)
     scores = scores.view(batch, kv_heads, -1, q, scores.shape[-1])  # [B, Hkv, G, q, M+kv]
-    scores.mul_(scale).masked_fill_(prompt_kv.blocked(mask), float("-inf"))
-    weights = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype).reshape(batch, kv_heads, rows, -1)
+    # The dtype's lowest value, not -inf, as in eager attention: a query that may attend to nothing (a left pad of
+    # a row without a prompt) gets finite weights instead of NaN that its value would spread.
+    scores = scores.float().mul_(scale).masked_fill_(prompt_kv.blocked(mask), torch.finfo(torch.float32).min)
+    weights = scores.softmax(dim=-1).to(value.dtype).reshape(batch, kv_heads, rows, -1)
     out = times_prompt(weights[..., :width], prompt_v) + weights[..., width:] @ value  # [B, Hkv, G*q, hd]
     return out.reshape(batch, heads, q, dim).transpose(1, 2), None  # [B, q, H, hd]
 

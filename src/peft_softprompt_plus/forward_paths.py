@@ -27,6 +27,7 @@ class RowPrompts:
 
     prompts: list[torch.Tensor]
     rows: Optional[torch.Tensor] = None  # [B]
+    names: Optional[list[str]] = None  # each row's adapter name, for per-adapter heads (mixed batches only)
 
     def per_row(self, values: torch.Tensor, batch: int) -> torch.Tensor:
         """`[A, ...]` -> `[B, ...]`; rows without a prompt get row 0's values (callers mask them)."""

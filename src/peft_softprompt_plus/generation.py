@@ -86,13 +86,13 @@ def _prompt_at_attention(model: nn.Module, prompt_kv: attention.PromptKV):
 def generate(model: nn.Module, prompt_kv: attention.PromptKV, args: tuple, kwargs: dict):
     """Run `model.generate` as if the prompt behind `prompt_kv` preceded every row."""
     kwargs = dict(kwargs)
-    num_prompt = int(prompt_kv.lengths.max())
-    input_ids, mask = _inputs(model, num_prompt, args, kwargs)
+    input_ids, mask = _inputs(model, int(prompt_kv.lengths.max()), args, kwargs)
+    offsets = prompt_kv.row_lengths(input_ids.shape[0], input_ids.device)  # [B] each row's prompt length
     with _prompt_at_attention(model, prompt_kv):
         return model.generate(
             input_ids=input_ids,
             attention_mask=mask,
-            position_ids=semantics.positions(mask, num_prompt),  # [B, T]; generate extends them by one a step
+            position_ids=semantics.positions(mask, offsets),  # [B, T]; generate extends them by one a step
             **kwargs,
         )
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForSequenceClassificationLoss
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
@@ -77,11 +78,21 @@ def _first_token_term(model: nn.Module, batch: PromptedBatch, labels: torch.Tens
     return model.loss_function(first, None, first.shape[-1], num_items_in_batch=total, shift_labels=targets)
 
 
+def _first_of_unprompted(batch: PromptedBatch, labels: torch.Tensor) -> torch.Tensor:
+    """`[B, L]`: True at label 0 of each row that reads no prompt."""
+    unprompted = ~batch.row_prompts.has_prompt(labels.shape[0], labels.device)  # [B]
+    first = torch.zeros_like(labels, dtype=torch.bool)
+    first[:, 0] = unprompted
+    return first
+
+
 def _causal_lm(model: nn.Module, batch: PromptedBatch, labels: Optional[torch.Tensor], kwargs: dict):
     # The wrapped model computes the text's loss itself, so `num_items_in_batch` and wrappers such as TRL's fused
     # head see the labels. Text token 0 is predicted by the last prompt position: riding with the text, or from the
     # prompt pass's output, once per prompt.
     if batch.prompt_last is None or labels is None:
+        if labels is not None and batch.riding:  # a row without a prompt has nothing to predict its token 0
+            labels = labels.masked_fill(_first_of_unprompted(batch, labels), IGNORE_INDEX)
         output = model(**batch.kwargs, labels=semantics.prefixed_labels(labels, batch.riding), **kwargs)
         return _strip(output, batch.riding, batch.mask.shape[1])
     kwargs = dict(kwargs)
@@ -100,7 +111,9 @@ def _sequence_classification(model: nn.Module, batch: PromptedBatch, labels: Opt
     hidden = out.last_hidden_state[:, batch.riding :]  # [B, L, D]
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     pooled = hidden[rows, semantics.last_real_index(batch.mask).to(hidden.device)]  # [B, D]
-    logits = model.score(pooled)  # [B, C]
+    names = batch.row_prompts.names
+    routed = {"adapter_names": names} if names is not None and isinstance(model.score, ModulesToSaveWrapper) else {}
+    logits = model.score(pooled, **routed)  # [B, C]: each row through its own adapter's copy of the head
     loss = None
     if labels is not None:
         loss = ForSequenceClassificationLoss(labels.to(logits.device), logits, model.config)

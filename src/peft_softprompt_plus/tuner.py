@@ -5,6 +5,7 @@ PEFT calls into it as it would into LoRA; the prompt itself lives in a `SoftProm
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -13,12 +14,12 @@ from peft.utils import set_additional_trainable_modules
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from . import attention, forward_paths, generation, gradient_flow, semantics, tying
+from . import attention, forward_paths, generation, gradient_flow, routing, semantics, tying
 from ._peft_registry import PREFIX
 from .config import ForwardPath, SoftPromptPlusConfig
 from .prompt_bank import SoftPromptBank
 from .prompt_init import initial_prompt
-from .tasks import TASKS
+from .tasks import TASKS, Task
 
 _BANK = "softprompt_plus"
 _SAVED_KEY = f"{_BANK}.prompt"
@@ -240,29 +241,66 @@ class SoftPromptPlusModel(BaseTuner):
         weight = self.model.get_input_embeddings().weight
         return self.softprompt_plus.prompt[adapter_name].to(device=weight.device, dtype=weight.dtype)  # [N, D]
 
-    def _uses_attention(self, config: SoftPromptPlusConfig) -> bool:
-        """The attention path unless asked for concatenation or the family can't take it."""
-        path = config.forward_path
-        if path == ForwardPath.SHARED_KV.value and not self._attention_path:
+    def _uses_attention(self, route: routing.Route) -> bool:
+        """The attention path unless a config asks for concatenation or the family can't take the prompt there."""
+        paths = {self.peft_config[a].forward_path for a in route.adapters}
+        if ForwardPath.SHARED_KV.value in paths and not self._attention_path:
             raise ValueError(
                 f"`forward_path='shared_kv'` needs a model whose attention runs through transformers' attention "
                 f"registry; {type(self.model).__name__} computes its own. Use `forward_path='auto'` or 'concat'."
             )
-        if path == ForwardPath.CONCAT.value or not self._attention_path:
-            return False
-        if not attention.is_installed(self.model.config):  # `set_attn_implementation` since attaching
+        concat = ForwardPath.CONCAT.value in paths or not self._attention_path
+        routing.check_routable(route, concat)
+        if not concat and not attention.is_installed(self.model.config):  # `set_attn_implementation` since attach
             self._own_attention = attention.install(self.model)
-        return True
+        return not concat
 
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, **kwargs):
-        adapter = self._active()
-        if adapter is None:
+    @contextlib.contextmanager
+    def _enable_peft_forward_hooks(self, *args, **kwargs):
+        # PeftModel hands `adapter_names` to this hook and strips it from what reaches `forward`/`generate`.
+        previous, self._adapter_names = getattr(self, "_adapter_names", None), kwargs.get("adapter_names")
+        try:
+            yield
+        finally:
+            self._adapter_names = previous
+
+    def _route(self, adapter_names, text) -> routing.Route:
+        names = adapter_names if adapter_names is not None else getattr(self, "_adapter_names", None)
+        if names is not None and self.softprompt_plus.disable_adapters:
+            raise ValueError(
+                f"`adapter_names`={names!r} was passed while the adapters are disabled (`disable_adapter()`). Leave "
+                "the context to route rows to prompts, or use '__base__' rows for the base model."
+            )
+        batch = text.shape[0] if isinstance(text, torch.Tensor) and text.dim() else 0
+        return routing.route(names, None if names is not None else self._active(), batch, list(self.peft_config))
+
+    def _task_of(self, adapters) -> Task:
+        tasks = {_task_name(self.peft_config[a]) for a in adapters}
+        if len(tasks) > 1:
+            raise ValueError(
+                f"`adapter_names` routes one batch to adapters of different task types {sorted(tasks)}; a batch runs "
+                "one head. Route each task type in its own batch."
+            )
+        return TASKS[tasks.pop()]
+
+    def _names_for_heads(self, adapter_names) -> list[str]:
+        """Per-row names for the SEQ_CLS head's copies; other `modules_to_save` copies can't follow a mixed batch."""
+        names = list(adapter_names if adapter_names is not None else self._adapter_names)
+        head = getattr(self.model, "score", None)
+        others = [n for n, m in self.model.named_modules() if isinstance(m, ModulesToSaveWrapper) and m is not head]
+        if others:
+            raise ValueError(
+                f"`adapter_names` mixes adapters in one batch, but `modules_to_save` copies {others} run inside the "
+                "model, where prompts and rows share a batch. Route each adapter in its own batch."
+            )
+        return names
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, adapter_names=None, **kw):
+        text = input_ids if input_ids is not None else inputs_embeds
+        route = self._route(adapter_names, text)
+        if not route.adapters:
             return self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                inputs_embeds=inputs_embeds,
-                labels=labels,
-                **kwargs,
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, labels=labels, **kw
             )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError(
@@ -271,38 +309,39 @@ class SoftPromptPlusModel(BaseTuner):
                 f"inputs_embeds={'a tensor' if inputs_embeds is not None else None}."
             )
         for key in ("cache", "past_key_values", "position_ids"):
-            if kwargs.get(key) is not None:
+            if kw.get(key) is not None:
                 raise ValueError(
-                    f"`{key}` can't be passed to a soft-prompted forward, got a {type(kwargs[key]).__name__}: the "
+                    f"`{key}` can't be passed to a soft-prompted forward, got a {type(kw[key]).__name__}: the "
                     "prompt owns positions 0..N-1 and the cache. Positions come from `attention_mask`; for "
                     "incremental decoding use `model.generate()`; with TRL, turn off `packing` and `padding_free` "
                     "(one prompt can't sit in front of each packed document)."
                 )
         if self.training and not torch.is_grad_enabled():
             gradient_flow.warn_grad_disabled_once(self)
-        config = self.peft_config[adapter]
-        task = TASKS[_task_name(config)]
-        prompt = self.prompt_for_use(adapter)  # [N, D]
-        text = input_ids if input_ids is not None else inputs_embeds
-        semantics.check_fits(prompt.shape[0], text.shape[1], semantics.max_positions(self.model.config))
-        rows = forward_paths.RowPrompts([prompt])
-        if self._uses_attention(config):
-            riding = task.riding_when_shared(self.model, labels, kwargs)
+        task = self._task_of(route.adapters)
+        names = None if route.rows is None else self._names_for_heads(adapter_names)
+        rows = forward_paths.RowPrompts([self.prompt_for_use(a) for a in route.adapters], route.rows, names)
+        longest = max(p.shape[0] for p in rows.prompts)
+        semantics.check_fits(longest, text.shape[1], semantics.max_positions(self.model.config))
+        if self._uses_attention(route):
+            riding = task.riding_when_shared(self.model, labels, kw)
             batch = forward_paths.build_attention(self.model, rows, riding, input_ids, inputs_embeds, attention_mask)
         else:
             batch = forward_paths.build_concat(self.model, rows, input_ids, inputs_embeds, attention_mask)
-        return task.run(self.model, batch, labels, kwargs)
+        return task.run(self.model, batch, labels, kw)
 
-    def generate(self, *args, **kwargs):
-        adapter = self._active()
-        if adapter is None:
+    def generate(self, *args, adapter_names=None, **kwargs):
+        route = self._route(adapter_names, args[0] if args else kwargs.get("input_ids"))
+        if not route.adapters:
             return self.model.generate(*args, **kwargs)
-        prompt = self.prompt_for_use(adapter)  # [N, D]
-        if not self._uses_attention(self.peft_config[adapter]):
-            return generation.generate_concat(self.model, prompt, args, kwargs)
-        param = self.softprompt_plus.prompt[adapter]
-        prompt_kv = self._kv_store.get(adapter, param, self.model, prompt)
-        return generation.generate(self.model, prompt_kv, args, kwargs)
+        self._task_of(route.adapters)
+        if not self._uses_attention(route):
+            return generation.generate_concat(self.model, self.prompt_for_use(route.adapters[0]), args, kwargs)
+        stored = [
+            self._kv_store.get(a, self.softprompt_plus.prompt[a], self.model, self.prompt_for_use(a))
+            for a in route.adapters
+        ]
+        return generation.generate(self.model, attention.PromptKV.stack(stored, route.rows), args, kwargs)
 
     # ------------------------------------------------------------------ (de)serialization hooks
 

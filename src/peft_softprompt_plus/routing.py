@@ -1,0 +1,64 @@
+"""Which soft prompt each row of a batch reads: PEFT's mixed-batch convention, `adapter_names=[name per row]`, with
+`"__base__"` for a row without a prompt. Validated here, once, for `forward` and `generate` alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+BASE = "__base__"
+
+
+@dataclass(frozen=True)
+class Route:
+    """`adapters`: the prompts a batch reads, in order of first use; `rows[b]` indexes them (-1: no prompt).
+    `rows=None` when every row reads `adapters[0]`, the one-prompt fast path. No adapters: the base model alone."""
+
+    adapters: tuple[str, ...]
+    rows: Optional[torch.Tensor] = None  # [B]
+
+
+def route(adapter_names: Optional[Sequence[str]], active: Optional[str], batch: int, known: Sequence[str]) -> Route:
+    """The route for `adapter_names` (None: every row reads `active`, which may itself be None)."""
+    if adapter_names is None:
+        return Route(() if active is None else (active,))
+    if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
+        raise ValueError(
+            f"`adapter_names` must be a list with one adapter name per row, got {type(adapter_names).__name__} "
+            f"{adapter_names!r}. Pass e.g. adapter_names=['task_a', '{BASE}', ...] (`'{BASE}'`: no prompt)."
+        )
+    odd = [n for n in adapter_names if not isinstance(n, str)]
+    if odd:
+        raise ValueError(
+            f"`adapter_names` must hold adapter names (str), got {odd[0]!r} ({type(odd[0]).__name__}) among "
+            f"{list(adapter_names)!r}."
+        )
+    if len(adapter_names) != batch:
+        raise ValueError(
+            f"`adapter_names` has {len(adapter_names)} entries but the batch has {batch} rows. Pass one name per row."
+        )
+    unknown = sorted({repr(n) for n in adapter_names if n != BASE and n not in known})
+    if unknown:
+        raise ValueError(
+            f"`adapter_names` names {', '.join(unknown)}, which is not an adapter of this model; adapters: "
+            f"{list(known)} (or '{BASE}' for a row without a prompt)."
+        )
+    adapters = tuple(dict.fromkeys(n for n in adapter_names if n != BASE))
+    if len(adapters) == 1 and BASE not in adapter_names:
+        return Route(adapters)
+    if not adapters:
+        return Route(())
+    index = {name: i for i, name in enumerate(adapters)}
+    return Route(adapters, torch.tensor([index.get(n, -1) for n in adapter_names], dtype=torch.long))
+
+
+def check_routable(route_: Route, concat: bool) -> None:
+    """Concatenation runs one prompt for the whole batch: a batch that mixes prompts can't take it."""
+    if concat and route_.rows is not None:
+        raise ValueError(
+            f"`adapter_names` mixes prompts ({list(route_.adapters)} and rows without one) in one batch, which needs "
+            "the prompt at the attention; this model runs `forward_path='concat'` (set by the config, or because "
+            "its attention can't take the prompt). Split the batch by adapter, or use forward_path='auto'."
+        )
