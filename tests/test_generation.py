@@ -151,3 +151,36 @@ def test_generate_rejects_embeds_and_caches(model):
         model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=2)
     with pytest.raises(ValueError, match="has 128 positions"):
         model.generate(input_ids=random_ids(1, 125), max_new_tokens=2)
+
+
+def test_a_prompt_edited_behind_autograds_back_is_seen(model):
+    # `.data` edits (and fused optimizers) change values without bumping the version counter; the store compares the
+    # values themselves, for generate and for inference forwards alike.
+    ids = random_ids(1, 4, seed=24)
+    before = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        logits_before = model(input_ids=ids).logits
+    prompt = model.base_model.prompt("default")
+    version = prompt._version
+    prompt.data.mul_(-1.0)
+    assert prompt._version == version
+    after = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(after, manual_greedy(model, ids, 4)) and not torch.equal(before, after)
+    with torch.no_grad():
+        assert not torch.allclose(model(input_ids=ids).logits, logits_before)
+
+
+def test_inference_forwards_reuse_the_stored_prompt_pass(model, monkeypatch):
+    from peft_softprompt_plus import forward_paths
+
+    calls = []
+    original = forward_paths.prompt_pass
+    monkeypatch.setattr(forward_paths, "prompt_pass", lambda *a, **k: calls.append(1) or original(*a, **k))
+    ids = random_ids(2, 5, seed=25)
+    with torch.no_grad():
+        first = model(input_ids=ids).logits
+        second = model(input_ids=ids, labels=ids)
+    assert len(calls) == 1  # computed once, then read from the store
+    torch.testing.assert_close(first, second.logits)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, second.loss)  # with grad: a fresh pass
+    assert len(calls) == 2

@@ -105,7 +105,7 @@ def prompt_pass(model: nn.Module, row_prompts: RowPrompts, riding: int) -> tuple
     """Run the shared prompt positions once, one row per prompt: `[A, M, D]`, right-padded to the longest.
 
     Under causal attention a prompt position never sees the text, so its keys/values are the same for every row that
-    reads it. Returns the recorded `PromptKV` and the prompts' outputs `[A, M, D]`.
+    reads it. Returns the recorded `PromptKV` and each prompt's last output `[A, D]` (it predicts text token 0).
     """
     shared = [p[: p.shape[0] - riding] for p in row_prompts.prompts]
     width = max(p.shape[0] for p in shared)
@@ -120,7 +120,8 @@ def prompt_pass(model: nn.Module, row_prompts: RowPrompts, riding: int) -> tuple
         out = model.base_model(inputs_embeds=stack, position_ids=pos, use_cache=False, **{attention.KWARG: record})
     if not record.layers:
         raise RuntimeError(f"{type(model).__name__}'s attention never ran through the attention registry.")
-    return record.at(0), out.last_hidden_state
+    hidden = out.last_hidden_state  # [A, M, D]
+    return record.at(0), hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]  # [A, D]
 
 
 def attention_supported(model: nn.Module) -> bool:
@@ -154,10 +155,17 @@ def _text_embeddings(model, input_ids, inputs_embeds):
 
 
 def build_attention(
-    model: nn.Module, row_prompts: RowPrompts, riding: int, input_ids, inputs_embeds, attention_mask
+    model: nn.Module,
+    row_prompts: RowPrompts,
+    riding: int,
+    input_ids,
+    inputs_embeds,
+    attention_mask,
+    computed: Optional[tuple[attention.PromptKV, torch.Tensor]] = None,
 ) -> PromptedBatch:
     """The text alone, reading the prompts' keys/values at the attention; `riding` last prompt positions (0 or 1)
-    run with the text instead (their outputs then come from the model itself, loss included)."""
+    run with the text instead (their outputs then come from the model itself, loss included). `computed`: the
+    prompt pass's result when it is already known (stored for inference, riding 0)."""
     text = input_ids if input_ids is not None else inputs_embeds
     batch, length = text.shape[0], text.shape[1]
     mask = semantics.text_mask(attention_mask, batch, length, text.device)  # [B, L]
@@ -168,16 +176,14 @@ def build_attention(
     layers = _checkpointed_layers(model) if model.training and torch.is_grad_enabled() else []
     hand_back: Optional[tuple[list, list]] = None  # (leaf copies the layers read, the prompt pass's tensors)
     if max(p.shape[0] for p in row_prompts.prompts) > riding:
-        prompt_kv, hidden = prompt_pass(model, row_prompts, riding)
+        prompt_kv, last = computed if computed is not None else prompt_pass(model, row_prompts, riding)
         if layers and any(_reentrant(layer) for layer in layers):
             connected = [t for kv in prompt_kv.layers.values() for t in kv]
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in connected]
             prompt_kv.layers = {m: (leaves[2 * i], leaves[2 * i + 1]) for i, m in enumerate(prompt_kv.layers)}
             hand_back = (leaves, connected)
         kwargs[attention.KWARG] = prompt_kv
-        if riding == 0:
-            last = prompt_kv.lengths - 1  # [A]
-            prompt_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [A, D]
+        prompt_last = last if riding == 0 else None
     if riding:
         heads = torch.stack([p[-1] for p in row_prompts.prompts])  # [A, D]
         embeds = _text_embeddings(model, input_ids, inputs_embeds)

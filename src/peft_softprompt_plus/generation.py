@@ -18,28 +18,38 @@ from . import attention, forward_paths, semantics
 
 
 class PromptKVStore:
-    """Batch-1 prompt keys/values per adapter, keyed on the prompt's version counter so that an optimizer step,
-    a load or `set_adapter` invalidates them."""
+    """Each adapter's prompt pass for inference (keys/values, last output), kept while the prompt's values stay the
+    same. The values themselves are compared (`[N, D]`, cheap next to a forward): fused optimizers update a
+    parameter without bumping its version counter."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[tuple, attention.PromptKV]] = {}
+        self._entries: dict[str, tuple[torch.Tensor, tuple[attention.PromptKV, torch.Tensor]]] = {}
 
-    def get(self, adapter: str, param: torch.Tensor, model: nn.Module, prompt: torch.Tensor) -> attention.PromptKV:
-        key = (param._version, param.data_ptr(), prompt.dtype, prompt.device)
+    def get(self, adapter: str, model: nn.Module, prompt: torch.Tensor):
+        """`(PromptKV, last output [1, D])` of `prompt` `[N, D]`, computed without autograd."""
         cached = self._entries.get(adapter)
-        if cached is not None and cached[0] == key and not model.training:
+        if cached is not None and not model.training and _same(cached[0], prompt):
             return cached[1]
         with torch.no_grad():
-            prompt_kv, _ = forward_paths.prompt_pass(model, forward_paths.RowPrompts([prompt]), riding=0)
-        if not model.training:  # dropout makes a training-mode prompt KV single-use
-            self._entries[adapter] = (key, prompt_kv)
-        return prompt_kv
+            computed = forward_paths.prompt_pass(model, forward_paths.RowPrompts([prompt]), riding=0)
+        if not model.training:  # dropout makes a training-mode prompt pass single-use
+            self._entries[adapter] = (prompt.detach().clone(), computed)
+        return computed
+
+    def stacked(self, adapters, model: nn.Module, prompts, rows):
+        """The stored passes of several adapters as one `(PromptKV, [A, D])`, read by `rows`."""
+        computed = [self.get(a, model, x) for a, x in zip(adapters, prompts, strict=True)]
+        return attention.PromptKV.stack([kv for kv, _ in computed], rows), torch.cat([last for _, last in computed])
 
     def drop(self, adapter: Optional[str] = None) -> None:
         if adapter is None:
             self._entries.clear()
         else:
             self._entries.pop(adapter, None)
+
+
+def _same(kept: torch.Tensor, prompt: torch.Tensor) -> bool:
+    return kept.dtype == prompt.dtype and kept.device == prompt.device and torch.equal(kept, prompt)
 
 
 def _inputs(model: nn.Module, num_prompt: int, args: tuple, kwargs: dict):

@@ -325,7 +325,11 @@ class SoftPromptPlusModel(BaseTuner):
         semantics.check_fits(longest, text.shape[1], semantics.max_positions(self.model.config))
         if self._uses_attention(route):
             riding = task.riding_when_shared(self.model, labels, kw)
-            batch = forward_paths.build_attention(self.model, rows, riding, input_ids, inputs_embeds, attention_mask)
+            # Inference reuses each adapter's stored prompt pass, as generate does: serving pays for the text alone.
+            stored = None if riding or self.model.training or torch.is_grad_enabled() else self._stored(route, rows)
+            batch = forward_paths.build_attention(
+                self.model, rows, riding, input_ids, inputs_embeds, attention_mask, stored
+            )
         else:
             batch = forward_paths.build_concat(self.model, rows, input_ids, inputs_embeds, attention_mask)
         return task.run(self.model, batch, labels, kw)
@@ -337,11 +341,12 @@ class SoftPromptPlusModel(BaseTuner):
         self._task_of(route.adapters)
         if not self._uses_attention(route):
             return generation.generate_concat(self.model, self.prompt_for_use(route.adapters[0]), args, kwargs)
-        stored = [
-            self._kv_store.get(a, self.softprompt_plus.prompt[a], self.model, self.prompt_for_use(a))
-            for a in route.adapters
-        ]
-        return generation.generate(self.model, attention.PromptKV.stack(stored, route.rows), args, kwargs)
+        prompts = [self.prompt_for_use(a) for a in route.adapters]
+        prompt_kv, _ = self._stored(route, forward_paths.RowPrompts(prompts, route.rows))
+        return generation.generate(self.model, prompt_kv, args, kwargs)
+
+    def _stored(self, route: routing.Route, rows: forward_paths.RowPrompts):
+        return self._kv_store.stacked(route.adapters, self.model, rows.prompts, route.rows)
 
     # ------------------------------------------------------------------ (de)serialization hooks
 

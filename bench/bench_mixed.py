@@ -1,0 +1,109 @@
+"""Many tasks, one base: 16 rows over 4 soft prompts in one batch (`adapter_names`), against the same 16 rows on one
+prompt, and against PEFT PROMPT_TUNING, which must run one batch per adapter (4 batches of 4). Method: bench/README.md.
+
+    python bench/bench_mixed.py            # tiny shape, L=128 and L=32, train step and inference forward
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import _common as c
+import torch
+from peft import PromptTuningConfig
+
+from peft_softprompt_plus import SoftPromptPlusConfig
+
+ADAPTERS = ("default", "b", "c", "d")  # get_peft_model names the first one "default"
+N = 50
+SAME_WORK = "<= 1.15"  # mixed / one prompt
+SPEEDUP = ">= 2.0"  # PEFT 4x4 / ours mixed
+
+
+def _ours(shape: c.Shape):
+    config = dict(task_type="CAUSAL_LM", num_virtual_tokens=N, validate_gradients="off")
+    model = c.ours(shape.base(), N, validate_gradients="off")
+    for i, name in enumerate(ADAPTERS[1:]):
+        model.add_adapter(name, SoftPromptPlusConfig(init_seed=i + 1, **config))
+    for name in ADAPTERS:
+        model.base_model.prompt(name).requires_grad_(True)  # every prompt trains at once
+    return model
+
+
+def _peft(shape: c.Shape, ours):
+    model = c.peft_prompt_tuning(shape.base(), ours.base_model.prompt("default").detach())
+    for name in ADAPTERS[1:]:
+        model.add_adapter(name, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=N))
+        with torch.no_grad():
+            model.prompt_encoder[name].embedding.weight.copy_(ours.base_model.prompt(name))
+    return model
+
+
+def bench(shape: c.Shape, train: bool, reps: int, rows: list[c.Row]) -> None:
+    tag = f"{shape.name} L={shape.length} {'train step' if train else 'forward'}"
+    ids = shape.ids()
+    ours = _ours(shape).train(train)
+    mixed_names = [ADAPTERS[i % 4] for i in range(shape.batch)]  # 4 rows per adapter, interleaved
+    ref = _peft(shape, ours).train(train)
+    params = [ours.base_model.prompt(n) for n in ADAPTERS]
+    groups = [[i for i, n in enumerate(mixed_names) if n == name] for name in ADAPTERS]
+
+    def run(fn):
+        def step():
+            with torch.set_grad_enabled(train):
+                loss = fn()
+                if train:
+                    loss.backward()
+            for p in list(params) + list(ref.parameters()):
+                p.grad = None
+
+        return step
+
+    def peft_batches():
+        total = 0.0
+        for name, rows_ in zip(ADAPTERS, groups, strict=True):
+            ref.set_adapter(name)
+            total = total + ref(input_ids=ids[rows_], labels=ids[rows_]).loss
+        return total
+
+    with torch.no_grad():  # the same rows, the same prompts: the same per-row losses
+        loss_mixed = ours(input_ids=ids, labels=ids, adapter_names=mixed_names).loss.item()
+        loss_peft = peft_batches().item() / 4
+    print(f"  [{tag}] mean loss: ours mixed {loss_mixed:.6f}, PEFT 4 batches {loss_peft:.6f}", flush=True)
+    steps = {
+        "mixed": run(lambda: ours(input_ids=ids, labels=ids, adapter_names=mixed_names).loss),
+        "one": run(lambda: ours(input_ids=ids, labels=ids).loss),
+        "peft4x4": run(peft_batches),
+    }
+    times = c.interleaved(steps, reps, 2)
+    for name, t in times.items():
+        print(f"  [{tag}] {name:<8} {t.line()}", flush=True)
+    rows.append(
+        c.Row(f"{tag}: |mean loss mixed - PEFT|", abs(loss_mixed - loss_peft), target="<= 1e-05", fmt="{:.1e}")
+    )
+    rows.append(c.Row(f"{tag}: 4 adapters mixed / one adapter", *c.ratio(times, "mixed", "one"), SAME_WORK))
+    rows.append(c.Row(f"{tag}: PEFT 4 batches of 4 / ours mixed", *c.ratio(times, "peft4x4", "mixed"), SPEEDUP))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads; 0 keeps torch's default")
+    parser.add_argument("--reps", type=int, default=7, help="timed rounds")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    c.quiet()
+    start = time.perf_counter()
+    print(f"machine: {c.machine()}\n{c.TINY.describe()}; B=16, 4 adapters x N={N}; median of {args.reps} rounds")
+    rows: list[c.Row] = []
+    for length in (128, 32):
+        shape = c.Shape(c.TINY.name, c.TINY.n_layer, c.TINY.n_embd, c.TINY.n_head, c.TINY.vocab, 16, length)
+        for train in (True, False):
+            bench(shape, train, args.reps, rows)
+    c.print_table(rows)
+    print(f"\nmachine at the end: {c.machine()}\ntotal {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
