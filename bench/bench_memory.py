@@ -163,7 +163,7 @@ def measure(name: str, load: Callable[[], nn.Module], args) -> Result:
     base = load()
     before = {n: (p.dtype, p.data_ptr()) for n, p in base.named_parameters()}
     model = get_peft_model(base, SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=args.n, init_seed=0))
-    prompt = model.base_model.softprompt_plus.prompt["default"]
+    prompt = model.base_model.prompt("default")
     optimizer = torch.optim.Adam([prompt], lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, base.config.vocab_size, (args.batch, args.length), generator=gen).to(device)

@@ -110,7 +110,7 @@ def train_path(name: str, recipe: Recipe, load: Callable, ids: torch.Tensor, arg
     except Exception as err:  # a path that can't load (e.g. 4-bit unsupported) is reported, not fatal
         result.error = f"{type(err).__name__}: {err}"
         return result, None
-    prompt = model.base_model.softprompt_plus.prompt["default"]
+    prompt = model.base_model.prompt("default")
     optimizer = torch.optim.Adam([prompt], lr=args.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=recipe.scaler)
     model.train()
@@ -159,7 +159,7 @@ def portability(trained, loaders: dict, ids: torch.Tensor) -> tuple[float, float
         bare = (_logits(loaded, ids) - _logits(trained, ids)).abs().max().item()
     with loaded.disable_adapter():
         effect = (_logits(loaded, ids) - _logits(trained, ids)).abs().max().item()
-    dtype = loaded.base_model.softprompt_plus.prompt["default"].dtype
+    dtype = loaded.base_model.prompt("default").dtype
     if dtype != torch.float32:
         raise AssertionError(f"the loaded prompt is {dtype}, expected float32")
     return diff, bare, effect

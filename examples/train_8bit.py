@@ -61,7 +61,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         task_type="CAUSAL_LM", num_virtual_tokens=args.num_virtual_tokens, init_seed=args.seed
     )
     model = get_peft_model(load_8bit(path, device), config)
-    prompt = model.base_model.softprompt_plus.prompt["default"]  # [N, D], float32 on an int8 base
+    prompt = model.base_model.prompt("default")  # [N, D], float32 on an int8 base
     print(f"base: {sorted({str(p.dtype) for p in model.base_model.model.parameters()})}; prompt: {prompt.dtype}")
 
     batch = tokenizer(TEXTS, return_tensors="pt", padding=True).to(device)

@@ -52,7 +52,7 @@ def main() -> None:
     model = get_peft_model(
         tiny_gpt2(seed=0), SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, init_seed=0)
     )
-    initial = model.base_model.softprompt_plus.prompt["default"].detach().clone()
+    initial = model.base_model.prompt("default").detach().clone()
     training_args = TrainingArguments(
         output_dir=os.path.join(args.out, "trainer"),
         use_cpu=True,
@@ -77,7 +77,7 @@ def main() -> None:
             "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
             "checkpointing": model.get_base_model().is_activation_checkpointing,
             "initial": initial,
-            "final": model.base_model.softprompt_plus.prompt["default"].detach().clone(),
+            "final": model.base_model.prompt("default").detach().clone(),
             "seen": trainer.seen,
         },
         os.path.join(args.out, f"rank{rank}.pt"),

@@ -42,7 +42,7 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
     model = get_peft_model(base, SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, init_seed=0))
     wte = base.get_input_embeddings().weight.detach()
     with torch.no_grad():
-        model.base_model.softprompt_plus.prompt["default"].copy_(wte[TOKEN_IDS] * torch.tensor(SCALES)[:, None])
+        model.base_model.prompt("default").copy_(wte[TOKEN_IDS] * torch.tensor(SCALES)[:, None])
     path = tmp_path_factory.mktemp("inspect") / "adapter"
     model.save_pretrained(path)
     return path
@@ -102,7 +102,7 @@ def test_inspect_without_a_base_reports_norms_and_says_how_to_get_neighbours(mak
     code, out, _ = _run(capsys, "inspect", str(tmp_path / "adapter"), "--json")
     report = json.loads(out)
     assert code == 0 and report["base"] is None and all(t["nearest"] == [] for t in report["tokens"])
-    expected = model.base_model.softprompt_plus.prompt["default"].detach().norm(dim=-1).tolist()
+    expected = model.base_model.prompt("default").detach().norm(dim=-1).tolist()
     assert [t["norm"] for t in report["tokens"]] == pytest.approx(expected, rel=1e-6)
     assert "pass --base" in report["notes"][0]
 

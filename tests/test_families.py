@@ -43,7 +43,7 @@ def attach(family):
     model = get_peft_model(
         tiny_family(family, VOCAB), SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=N, init_seed=0)
     )
-    return model, model.base_model.softprompt_plus.prompt["default"]
+    return model, model.base_model.prompt("default")
 
 
 def rel(a, b):

@@ -12,7 +12,7 @@ N = 5
 
 
 def prompt_of(model):
-    return model.base_model.softprompt_plus.prompt["default"]
+    return model.base_model.prompt("default")
 
 
 def peft_reference(make_base, ours, task="CAUSAL_LM"):

@@ -21,7 +21,7 @@ def model(make_base, make_peft):
     # gives it real attention, so the tests below can tell a right prompt from a wrong one.
     model = make_peft(base=make_base(initializer_range=0.5), num_virtual_tokens=6).eval()
     with torch.no_grad():  # a loud prompt, so that getting it wrong anywhere changes the tokens
-        model.base_model.softprompt_plus.prompt["default"].normal_(0.0, 1.0)
+        model.base_model.prompt("default").normal_(0.0, 1.0)
     return model
 
 
@@ -133,7 +133,7 @@ def test_prompt_kv_is_reused_until_the_prompt_changes(model):
     entry = tuner._kv_store._entries["default"]
     model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
     assert tuner._kv_store._entries["default"] is entry  # reused, not recomputed
-    prompt = tuner.softprompt_plus.prompt["default"]
+    prompt = tuner.prompt("default")
     opt = torch.optim.SGD([prompt], lr=10.0)
     model.train()
     model(input_ids=ids, labels=ids).loss.backward()

@@ -88,7 +88,7 @@ def test_shared_kv_path_equals_concatenation(make_base, make_peft):
     grads = []
     for path in ("shared_kv", "concat"):
         model = make_peft(base=make_base(), forward_path=path)
-        prompt = model.base_model.softprompt_plus.prompt["default"]
+        prompt = model.base_model.prompt("default")
         grads.append(_grad(model(**_batch()).loss, prompt))
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
@@ -172,7 +172,7 @@ def test_transformers_uses_inputs_embeds_in_the_graph(make_base):
 
 def test_inputs_embeds_input_gives_the_same_prompt_gradient(make_peft):
     model = make_peft()
-    prompt, batch = model.base_model.softprompt_plus.prompt["default"], _batch()
+    prompt, batch = model.base_model.prompt("default"), _batch()
     via_ids = _grad(model(**batch).loss, prompt)
     embeds = model.base_model.model.transformer.wte(batch["input_ids"])
     via_embeds = _grad(model(inputs_embeds=embeds, labels=batch["labels"]).loss, prompt)
@@ -204,7 +204,7 @@ def test_generate_runs_without_gradients(make_peft):
 
 def test_optimizer_without_the_prompt_never_moves_it(make_peft):
     model = make_peft()
-    prompt = model.base_model.softprompt_plus.prompt["default"]
+    prompt = model.base_model.prompt("default")
     before = prompt.detach().clone()
     optimizer = torch.optim.SGD([model.base_model.model.transformer.wpe.weight], lr=1.0)  # forgot the prompt
     model(**_batch()).loss.backward()
@@ -218,7 +218,7 @@ def test_optimizer_without_the_prompt_never_moves_it(make_peft):
 
 
 def _prompt_grad(model, batch):
-    return _grad(model(**batch).loss, model.base_model.softprompt_plus.prompt["default"])
+    return _grad(model(**batch).loss, model.base_model.prompt("default"))
 
 
 def test_weight_tying_does_not_touch_the_prompt_gradient(make_base, make_peft):
@@ -274,7 +274,7 @@ def test_fp16_prompt_loses_updates_and_gradscaler_refuses_it():
 
 def test_fp32_prompt_on_an_fp16_model_trains(make_base, make_peft):
     model = make_peft(base=make_base().half())
-    prompt = model.base_model.softprompt_plus.prompt["default"]
+    prompt = model.base_model.prompt("default")
     assert prompt.dtype == torch.float32
     before = prompt.detach().clone()
     optimizer, scaler = torch.optim.SGD([prompt], lr=1e-2), torch.amp.GradScaler("cpu")

@@ -38,7 +38,7 @@ ISSUE_CODES = {
 
 
 def _prompt(model):
-    return model.base_model.softprompt_plus.prompt["default"]
+    return model.base_model.prompt("default")
 
 
 def _batch(length=6, batch=2):
@@ -150,7 +150,7 @@ def test_probe_covers_sequence_classification(make_peft):
 def test_probe_on_an_inactive_added_adapter_restores_its_state(make_peft):
     model = make_peft()
     model.add_adapter("second", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, init_seed=1))
-    tuner, second = model.base_model, model.base_model.softprompt_plus.prompt["second"]
+    tuner, second = model.base_model, model.base_model.prompt("second")
     assert not second.requires_grad
     gf.validate_at_attach(tuner, "second", "raise")
     assert tuner.active_adapter == "default" and not second.requires_grad and second.grad is None

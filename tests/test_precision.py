@@ -45,7 +45,7 @@ def _attach(base):
 
 
 def _prompt(model) -> torch.nn.Parameter:
-    return model.base_model.softprompt_plus.prompt["default"]
+    return model.base_model.prompt("default")
 
 
 def _base_snapshot(model) -> dict:

@@ -21,7 +21,7 @@ def trained(tiny_model_dir):
         SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, init_seed=0),
     )
     with torch.no_grad():
-        model.base_model.softprompt_plus.prompt["default"].normal_()
+        model.base_model.prompt("default").normal_()
     return model.eval()
 
 
@@ -31,9 +31,7 @@ def test_saved_files_and_exact_keys(trained, tmp_path):
     tensors = safetensors.torch.load_file(tmp_path / "adapter_model.safetensors")
     assert set(tensors) == {"base_model.softprompt_plus.prompt"}
     assert tensors["base_model.softprompt_plus.prompt"].dtype == torch.float32
-    assert torch.equal(
-        tensors["base_model.softprompt_plus.prompt"], trained.base_model.softprompt_plus.prompt["default"]
-    )
+    assert torch.equal(tensors["base_model.softprompt_plus.prompt"], trained.base_model.prompt("default"))
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config["peft_type"] == "SOFTPROMPT_PLUS" and config["num_virtual_tokens"] == 4
 
@@ -57,7 +55,7 @@ def test_reload_trainable_and_multiple_adapters(trained, tiny_model_dir, tmp_pat
         AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "a", is_trainable=True
     )
     assert [n for n, p in loaded.named_parameters() if p.requires_grad] == [
-        "base_model.softprompt_plus.prompt.default"
+        "base_model.prompt_bank.softprompt_plus_prompt.default"
     ]
     loaded.load_adapter(tmp_path / "a", adapter_name="second")
     loaded.set_adapter("second")
@@ -80,7 +78,7 @@ def test_wrong_base_is_explained(trained, tmp_path):
     trained.save_pretrained(tmp_path)
     wider = tiny_gpt2(n_embd=32)
     flags = {n: p.requires_grad for n, p in wider.named_parameters()}
-    with pytest.raises(ValueError, match=r"saved prompt has shape \[4, 64\].*needs \[4, 32\]"):
+    with pytest.raises(ValueError, match=r"hidden size 64, but this base model's is 32"):
         PeftModel.from_pretrained(wider, tmp_path, is_trainable=True)
     assert {n: p.requires_grad for n, p in wider.named_parameters()} == flags  # the caller's base is untouched
 
@@ -89,7 +87,7 @@ def test_failed_save_leaves_previous_adapter_intact(trained, tmp_path, monkeypat
     trained.save_pretrained(tmp_path)
     before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
     with torch.no_grad():
-        trained.base_model.softprompt_plus.prompt["default"].add_(1.0)
+        trained.base_model.prompt("default").add_(1.0)
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -115,7 +113,7 @@ def test_low_cpu_mem_usage_load(trained, tiny_model_dir, tmp_path, is_trainable)
     trained.save_pretrained(tmp_path)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     loaded = PeftModel.from_pretrained(base, tmp_path, low_cpu_mem_usage=True, is_trainable=is_trainable)
-    prompt = loaded.base_model.softprompt_plus.prompt["default"]
+    prompt = loaded.base_model.prompt("default")
     assert prompt.device.type == "cpu" and prompt.dtype == torch.float32 and prompt.requires_grad == is_trainable
     ids = random_ids(1, 5)
     assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)

@@ -77,7 +77,7 @@ def prompted(seed: int = 0, base: str = "gpt2", **config):
 
 
 def prompt_of(model) -> torch.Tensor:
-    return model.base_model.softprompt_plus.prompt["default"].detach().clone()
+    return model.base_model.prompt("default").detach().clone()
 
 
 def args(tmp_path, **overrides) -> TrainingArguments:
@@ -105,11 +105,11 @@ def test_default_training_arguments_train_only_the_prompt_and_save_only_the_adap
     assert result.global_step == 2
     assert torch.isfinite(torch.tensor(result.training_loss))
     assert not torch.equal(prompt_of(model), start)
-    assert model.base_model.softprompt_plus.prompt["default"].dtype == torch.float32
+    assert model.base_model.prompt("default").dtype == torch.float32
     for name, value in model.get_base_model().state_dict().items():
         assert torch.equal(value, base_before[name]), f"base weight {name} changed"
     optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    assert [id(p) for p in optimized] == [id(model.base_model.softprompt_plus.prompt["default"])]
+    assert [id(p) for p in optimized] == [id(model.base_model.prompt("default"))]
 
     checkpoint = tmp_path / "checkpoint-2"
     files = {p.name for p in checkpoint.iterdir()}
@@ -175,7 +175,7 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path, tokenizer
     assert torch.equal(prompt_of(model), best_prompt)
     assert not torch.equal(best_prompt, last_prompt)
     # Loaded in place: still the trainable leaf the optimizer holds, so training can go on from here.
-    param = model.base_model.softprompt_plus.prompt["default"]
+    param = model.base_model.prompt("default")
     assert param.requires_grad
     assert any(p is param for group in trainer.optimizer.param_groups for p in group["params"])
 

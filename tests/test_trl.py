@@ -78,7 +78,7 @@ def test_sft_trainer_trains_a_soft_prompt_from_peft_config(tmp_path, tokenizer):
     model = trainer.model
     assert isinstance(model, PeftModel) and isinstance(model.base_model, SoftPromptPlusModel)
     assert model.peft_config["default"].is_prompt_learning is False
-    prompt = model.base_model.softprompt_plus.prompt["default"]
+    prompt = model.base_model.prompt("default")
     start = prompt.detach().clone()
 
     # Wrap the forward TRL installed on the inner GPT-2 and look at what the tuner hands it.
@@ -191,7 +191,7 @@ def test_sft_loss_and_metrics_equal_prompt_tuning(tmp_path, tokenizer, base_name
     (batch,) = trainer.batches
     if kind == "prompt_completion":
         assert (batch["labels"][:, 0] == -100).all()  # completion-only loss masked the prompt text
-    prompt = trainer.model.base_model.softprompt_plus.prompt["default"].detach()
+    prompt = trainer.model.base_model.prompt("default").detach()
     expected = reference(BASES[base_name](vocab), prompt, batch)
     with torch.no_grad():
         own = trainer.model.eval()(**{k: batch[k] for k in ("input_ids", "attention_mask", "labels")}).loss.item()

@@ -26,7 +26,7 @@ def train_steps(model, steps=3):
 def test_one_trainable_float32_tensor_not_aliasing_the_base(make_base, make_peft):
     model = make_peft()
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    assert [n for n, _ in trainable] == ["base_model.softprompt_plus.prompt.default"]
+    assert [n for n, _ in trainable] == ["base_model.prompt_bank.softprompt_plus_prompt.default"]
     prompt = trainable[0][1]
     assert prompt.dtype == torch.float32 and prompt.is_leaf and prompt.shape == (5, 64)
     base_ptrs = {p.untyped_storage().data_ptr() for p in model.base_model.model.parameters()}
@@ -47,10 +47,10 @@ def test_training_leaves_base_bit_identical_and_tie_intact(make_base, make_peft)
 
 def test_prompt_stays_float32_through_half_and_to(make_peft):
     model = make_peft()
-    prompt = model.base_model.softprompt_plus.prompt["default"]
+    prompt = model.base_model.prompt("default")
     model.half()
     assert model.base_model.model.transformer.wte.weight.dtype == torch.float16
-    assert prompt.dtype == torch.float32 and model.base_model.softprompt_plus.prompt["default"] is prompt
+    assert prompt.dtype == torch.float32 and model.base_model.prompt("default") is prompt
     model.to(torch.bfloat16)
     assert prompt.dtype == torch.float32
 
@@ -65,24 +65,24 @@ def test_disable_adapter_gives_base_outputs_exactly(make_base, make_peft):
     assert torch.equal(disabled, reference(input_ids=ids).logits)
     assert torch.equal(gen, reference.generate(input_ids=ids, max_new_tokens=4, do_sample=False))
     assert not torch.equal(model(input_ids=ids).logits[:, :1], disabled[:, :1])  # enabled again afterwards
-    assert model.base_model.softprompt_plus.prompt["default"].requires_grad
+    assert model.base_model.prompt("default").requires_grad
 
 
 def test_add_set_delete_adapters(make_peft):
     model = make_peft()
     model.add_adapter("other", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, init_seed=1))
-    bank = model.base_model.softprompt_plus
-    assert set(bank.prompt) == {"default", "other"}
-    assert bank.prompt["default"].requires_grad and not bank.prompt["other"].requires_grad
+    bank = model.base_model.prompt_bank
+    assert set(bank.prompts) == {"default", "other"}
+    assert bank.prompts["default"].requires_grad and not bank.prompts["other"].requires_grad
     ids = random_ids(1, 4)
     default_logits = model(input_ids=ids).logits
     model.set_adapter("other")
-    assert bank.prompt["other"].requires_grad and not bank.prompt["default"].requires_grad
+    assert bank.prompts["other"].requires_grad and not bank.prompts["default"].requires_grad
     assert not torch.allclose(model(input_ids=ids).logits, default_logits)
     model.set_adapter("default")
     torch.testing.assert_close(model(input_ids=ids).logits, default_logits)
     model.delete_adapter("other")
-    assert set(bank.prompt) == {"default"} and list(model.peft_config) == ["default"]
+    assert set(bank.prompts) == {"default"} and list(model.peft_config) == ["default"]
     with pytest.raises(ValueError, match="already exists"):
         model.add_adapter("default", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
 
@@ -115,7 +115,7 @@ def test_training_a_tied_weight_is_refused(make_base, module):
 def test_untied_module_to_save_trains_and_is_saved(make_base, tmp_path):
     model = get_peft_model(make_base(), SoftPromptPlusConfig(task_type="CAUSAL_LM", modules_to_save=["ln_f"]))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert "base_model.softprompt_plus.prompt.default" in trainable
+    assert "base_model.prompt_bank.softprompt_plus_prompt.default" in trainable
     assert any("ln_f.modules_to_save.default" in n for n in trainable)
 
 

@@ -1,22 +1,24 @@
-"""The one module that touches PEFT internals: the `PeftType` member, method registration, and the two
-`PeftModel` hooks (model card, crash-safe save, Hub push) that PEFT offers no public extension point for."""
+"""The one module that touches PEFT internals: the `PeftType` member, the method's registration, and `PATCHES`, the
+table of PEFT functions this package replaces (each one runs PEFT's own code for every other adapter type)."""
 
 from __future__ import annotations
 
-import functools
+import inspect
 import os
-import shutil
-import tempfile
+from dataclasses import dataclass
+from typing import Callable
 
+import peft
+import peft.mapping_func
 from peft import PeftModel
 from peft.utils import register_peft_method
 from peft.utils.peft_types import PeftType
+from torch import nn
 
-NAME = "SOFTPROMPT_PLUS"
-PREFIX = "softprompt_plus_"
+from . import attention, hub, loading, model_card, routing, saving
+from ._names import METHOD, PREFIX
 
-# staging dir -> the directory the user asked for, so the model card names the real location.
-_STAGED_FOR: dict[str, str] = {}
+PEFT_CHECKED = "0.21.2"  # the PEFT release every patch below was written and tested against
 
 
 def _extend_str_enum(enum_cls, name: str, value: str):
@@ -36,11 +38,144 @@ def _extend_str_enum(enum_cls, name: str, value: str):
     return member
 
 
-SOFTPROMPT_PLUS = _extend_str_enum(PeftType, NAME, NAME)
+SOFTPROMPT_PLUS = _extend_str_enum(PeftType, METHOD, METHOD)
+
+
+def _is_ours(peft_model) -> bool:
+    return getattr(peft_model, "peft_type", None) == METHOD
+
+
+def _original(owner, name: str) -> Callable:
+    value = inspect.getattr_static(owner, name)  # as defined (or inherited), not bound
+    value = getattr(value, "__func__", value)  # a classmethod's function
+    return getattr(value, "_softprompt_plus_original", value)
+
+
+# ---------------------------------------------------------------------------------------------- the replacements
+
+
+def softprompt_plus_save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+    """Ours: written to a staging folder and swapped in atomically, with our model card (saving.py)."""
+    save = _original(PeftModel, "save_pretrained")
+    if not _is_ours(self):
+        return save(self, save_directory, *args, is_main_process=is_main_process, **kwargs)
+    saving.check_directory(save_directory)
+    if not is_main_process:  # other ranks write nothing, but must join the state-dict collectives
+        return save(self, save_directory, *args, is_main_process=False, **kwargs)
+
+    def write_into(staging: str):
+        result = save(self, staging, *args, is_main_process=True, **kwargs)
+        model_card.write_model_card(self, staging, adapter_ref=os.fspath(save_directory))
+        return result
+
+    return saving.atomic_save(write_into, save_directory)
+
+
+def softprompt_plus_push_to_hub(self, repo_id: str, *args, **kwargs):
+    """Ours: transformers' generic push would replace our model card (hub.py)."""
+    if not _is_ours(self):
+        return _original(PeftModel, "push_to_hub")(self, repo_id, *args, **kwargs)
+    return hub.push_to_hub(self, repo_id, *args, **kwargs)
+
+
+def softprompt_plus_create_or_update_model_card(self, output_dir: str):
+    """Ours: PEFT's card plus our section (the Trainer writes cards through this too)."""
+    _original(PeftModel, "create_or_update_model_card")(self, output_dir)
+    if _is_ours(self):
+        model_card.write_model_card(self, output_dir, adapter_ref=output_dir)
+
+
+def softprompt_plus_from_pretrained(cls, model, model_id, *args, **kwargs):
+    """A local adapter folder is checked before PEFT touches `model`; a failed load hands `model` back as it came."""
+    folder = os.path.join(os.fspath(model_id), kwargs.get("subfolder") or "") if _is_path(model_id) else None
+    if folder is not None and os.path.isdir(folder) and kwargs.get("config") is None:
+        loading.check_folder(folder, model)
+    before = loading.BaseState.capture(model) if isinstance(model, nn.Module) else None
+    try:
+        return _original(PeftModel, "from_pretrained")(cls, model, model_id, *args, **kwargs)
+    except Exception:
+        if before is not None and attention.is_installed(getattr(model, "config", None)):
+            before.restore(model)
+        raise
+
+
+def softprompt_plus_load_adapter(self, model_id, adapter_name: str, *args, **kwargs):
+    """A local adapter folder is checked before PEFT adds anything to the model."""
+    folder = os.path.join(os.fspath(model_id), kwargs.get("subfolder") or "") if _is_path(model_id) else None
+    if _is_ours(self) and folder is not None and os.path.isdir(folder):
+        loading.check_folder(folder, self.get_base_model())
+    return _original(PeftModel, "load_adapter")(self, model_id, adapter_name, *args, **kwargs)
+
+
+def softprompt_plus_set_adapter(self, adapter_name, *args, **kwargs):
+    """Ours: one existing name (PEFT's own message hides the adapter list; a list would be unhashable)."""
+    if _is_ours(self):
+        routing.check_adapter_name(adapter_name, list(self.peft_config), "set_adapter")
+    return _original(PeftModel, "set_adapter")(self, adapter_name, *args, **kwargs)
+
+
+def softprompt_plus_delete_adapter(self, adapter_name):
+    """Ours: an existing name, and never the last adapter (PeftModel can't live without one)."""
+    if _is_ours(self):
+        routing.check_adapter_name(adapter_name, list(self.peft_config), "delete_adapter")
+        if list(self.peft_config) == [adapter_name]:
+            raise ValueError(
+                f"`adapter_name`={adapter_name!r} is the model's last adapter; a PeftModel can't live without one. "
+                "Call `model.unload()` to get the base model back, or add another adapter first."
+            )
+    return _original(PeftModel, "delete_adapter")(self, adapter_name)
+
+
+def softprompt_plus_get_peft_model(model, peft_config, *args, **kwargs):
+    """Ours: `model` must be a module (PEFT fails deep inside on a string such as a Hub id)."""
+    if getattr(peft_config, "peft_type", None) == METHOD and not isinstance(model, nn.Module):
+        raise TypeError(
+            f"`model` must be a torch.nn.Module (a loaded transformers model), got {type(model).__name__} {model!r}. "
+            f"Load it first, e.g. AutoModelForCausalLM.from_pretrained({model!r})."
+        )
+    return _original(peft.mapping_func, "get_peft_model")(model, peft_config, *args, **kwargs)
+
+
+def _is_path(model_id) -> bool:
+    return isinstance(model_id, (str, os.PathLike))
+
+
+@dataclass(frozen=True)
+class Patch:
+    owner: object
+    name: str
+    replacement: Callable
+    reason: str
+    is_classmethod: bool = False
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(PeftModel, "save_pretrained", softprompt_plus_save_pretrained, "crash-safe save, our model card"),
+    Patch(PeftModel, "push_to_hub", softprompt_plus_push_to_hub, "transformers' push replaces our model card"),
+    Patch(PeftModel, "create_or_update_model_card", softprompt_plus_create_or_update_model_card, "our card section"),
+    Patch(PeftModel, "from_pretrained", softprompt_plus_from_pretrained, "diagnose files; roll back", True),
+    Patch(PeftModel, "load_adapter", softprompt_plus_load_adapter, "diagnose damaged files first"),
+    Patch(PeftModel, "set_adapter", softprompt_plus_set_adapter, "name errors that list the adapters"),
+    Patch(PeftModel, "delete_adapter", softprompt_plus_delete_adapter, "never the last adapter"),
+    Patch(peft.mapping_func, "get_peft_model", softprompt_plus_get_peft_model, "a clear error for a non-module"),
+    Patch(peft, "get_peft_model", softprompt_plus_get_peft_model, "the same function, as `from peft import` sees it"),
+)
+
+
+def _apply(patch: Patch) -> None:
+    original = _original(patch.owner, patch.name)  # PEFT's own, even when a reload patches again
+
+    def replacement(*args, **kwargs):
+        return patch.replacement(*args, **kwargs)
+
+    replacement.__name__ = replacement.__qualname__ = patch.replacement.__name__
+    replacement.__doc__ = patch.replacement.__doc__
+    replacement._softprompt_plus_original = original
+    setattr(patch.owner, patch.name, classmethod(replacement) if patch.is_classmethod else replacement)
 
 
 def register(config_cls, model_cls) -> None:
-    """Register config + tuner with PEFT; importing the package twice (or reloading it) is harmless."""
+    """Register config + tuner with PEFT and apply `PATCHES`; importing twice (or reloading) is harmless."""
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_PREFIX_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
 
     if SOFTPROMPT_PLUS in PEFT_TYPE_TO_CONFIG_MAPPING:
@@ -48,81 +183,7 @@ def register(config_cls, model_cls) -> None:
         PEFT_TYPE_TO_CONFIG_MAPPING[SOFTPROMPT_PLUS] = config_cls
         PEFT_TYPE_TO_TUNER_MAPPING[SOFTPROMPT_PLUS] = model_cls
     else:
-        register_peft_method(name=NAME.lower(), config_cls=config_cls, model_cls=model_cls, prefix=PREFIX)
+        register_peft_method(name=METHOD.lower(), config_cls=config_cls, model_cls=model_cls, prefix=PREFIX)
     PEFT_TYPE_TO_PREFIX_MAPPING[SOFTPROMPT_PLUS] = PREFIX
-    _install_peft_model_hooks()
-
-
-def _is_ours(peft_model) -> bool:
-    return getattr(peft_model, "peft_type", None) == SOFTPROMPT_PLUS
-
-
-def _install_peft_model_hooks() -> None:
-    if getattr(PeftModel, "_softprompt_plus_hooked", False):
-        return
-    original_card = PeftModel.create_or_update_model_card
-    original_save = PeftModel.save_pretrained
-    original_push = PeftModel.push_to_hub
-
-    @functools.wraps(original_card)
-    def create_or_update_model_card(self, output_dir: str):
-        original_card(self, output_dir)
-        if _is_ours(self):
-            from .model_card import write_model_card
-
-            write_model_card(self, output_dir, adapter_ref=_STAGED_FOR.get(os.path.abspath(output_dir), output_dir))
-
-    @functools.wraps(original_save)
-    def save_pretrained(self, save_directory: str, *args, is_main_process: bool = True, **kwargs):
-        if not _is_ours(self) or not is_main_process:
-            return original_save(self, save_directory, *args, is_main_process=is_main_process, **kwargs)
-        return _atomic_save(functools.partial(original_save, self, *args, **kwargs), save_directory)
-
-    @functools.wraps(original_push)
-    def push_to_hub(self, repo_id: str, *args, **kwargs):
-        if not _is_ours(self):
-            return original_push(self, repo_id, *args, **kwargs)
-        from .hub import push_to_hub as push  # transformers' generic push would replace our model card
-
-        return push(self, repo_id, *args, **kwargs)
-
-    PeftModel.create_or_update_model_card = create_or_update_model_card
-    PeftModel.save_pretrained = save_pretrained
-    PeftModel.push_to_hub = push_to_hub
-    PeftModel._softprompt_plus_hooked = True
-
-
-def _atomic_save(save_into, save_directory: str):
-    """Write the adapter into a sibling temp dir, then move each file into place with `os.replace`.
-
-    A failure while writing (disk full, interrupt, bad tensor) leaves the adapter already on disk untouched.
-    """
-    if os.path.isfile(save_directory):
-        raise ValueError(f"`save_directory` must be a directory, got the file {save_directory!r}. Pass a folder path.")
-    target = os.path.abspath(save_directory)
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".softprompt-plus-save-", dir=parent)
-    _STAGED_FOR[staging] = target
-    try:
-        # `save_pretrained` merges into an existing README; seed it so the user's card text survives.
-        readme = os.path.join(target, "README.md")
-        if os.path.isfile(readme):
-            shutil.copy2(readme, os.path.join(staging, "README.md"))
-        result = save_into(staging)
-        _move_tree(staging, target)
-        return result
-    finally:
-        _STAGED_FOR.pop(staging, None)
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _move_tree(src: str, dst: str) -> None:
-    # Weights before config: a reader that sees the new config must find weights that fit it.
-    order = {"adapter_model.safetensors": 0, "adapter_model.bin": 0, "adapter_config.json": 1}
-    for root, _dirs, files in os.walk(src):
-        rel = os.path.relpath(root, src)
-        out = os.path.normpath(os.path.join(dst, rel))
-        os.makedirs(out, exist_ok=True)
-        for name in sorted(files, key=lambda f: order.get(f, 2)):
-            os.replace(os.path.join(root, name), os.path.join(out, name))
+    for patch in PATCHES:
+        _apply(patch)

@@ -90,9 +90,9 @@ class SoftPromptPlusConfig(PeftConfig):
     forward_path: str = field(
         default=ForwardPath.AUTO.value,
         metadata={
-            "help": "`shared_kv` runs the prompt once per forward and shares its keys/values across the batch; "
-            "`concat` concatenates the prompt to every row; `auto` takes shared_kv unless gradient checkpointing "
-            "is active in training mode."
+            "help": "`shared_kv` runs the prompt once per forward and hands its keys/values to every attention "
+            "layer (gradient checkpointing on or off); `concat` concatenates the prompt to every row; `auto` takes "
+            "shared_kv where the model's attention runs through transformers' attention registry, else concat."
         },
     )
     modules_to_save: Optional[list[str]] = field(

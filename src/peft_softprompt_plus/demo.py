@@ -37,18 +37,18 @@ class DemoResult:
     samples: list
 
 
-def _pairs(words: list[str], step: int) -> list[tuple[str, str]]:
+def pairs(words: list[str], step: int) -> list[tuple[str, str]]:
     return [(a, WORDS[WORDS.index(a) + step]) for a in words if 0 <= WORDS.index(a) + step < len(WORDS)]
 
 
-def _encode(tokenizer, prefix: str, a: str, b: str) -> tuple[list[int], list[int]]:
+def encode(tokenizer, prefix: str, a: str, b: str) -> tuple[list[int], list[int]]:
     """Token ids of `prefix + a + b`, with a label only on b's first token (the answer)."""
     head = tokenizer(prefix + a, add_special_tokens=False)["input_ids"]
     answer = tokenizer(b, add_special_tokens=False)["input_ids"][:1]
     return head + answer, [-100] * len(head) + answer
 
 
-def _batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
+def left_padded(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), pad_id)
     labels = torch.full((len(rows), width), -100)
@@ -60,15 +60,15 @@ def _batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _pretrain_tiny(steps: int, seed: int, progress: bool):
+def pretrain_tiny(steps: int, seed: int, progress: bool):
     """A tiny GPT-2 that knows both tagged tasks, so the prompt has something to select."""
     tokenizer = tiny_tokenizer()
     model = tiny_gpt2(seed=seed, vocab_size=len(tokenizer), n_layer=2, n_embd=64).train()
-    rows = [_encode(tokenizer, " " + tag, a, b) for tag, step in TAGS.items() for a, b in _pairs(WORDS, step)]
+    rows = [encode(tokenizer, " " + tag, a, b) for tag, step in TAGS.items() for a, b in pairs(WORDS, step)]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(seed)
     for _ in tqdm(range(steps), desc="pretraining tiny GPT-2", disable=not progress):
-        batch = _batch(rng.choices(rows, k=32), tokenizer.pad_token_id)
+        batch = left_padded(rng.choices(rows, k=32), tokenizer.pad_token_id)
         model(**batch).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -78,8 +78,8 @@ def _pretrain_tiny(steps: int, seed: int, progress: bool):
 @torch.no_grad()
 def accuracy(model, tokenizer, words: list[str]) -> float:
     """Share of held-out `a` whose greedy next token is the first token of the number before it."""
-    rows = [_encode(tokenizer, "", a, b) for a, b in _pairs(words, TAGS["down"])]
-    batch = _batch(rows, tokenizer.pad_token_id)
+    rows = [encode(tokenizer, "", a, b) for a, b in pairs(words, TAGS["down"])]
+    batch = left_padded(rows, tokenizer.pad_token_id)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, L, V]
     guess = logits[:, -2].argmax(-1)  # the position before the answer predicts it
     return (guess == batch["labels"][:, -1]).float().mean().item()
@@ -97,7 +97,7 @@ def run_demo(
     torch.manual_seed(seed)
     work = tempfile.mkdtemp(prefix="softprompt-plus-demo-")
     if model_path is None:
-        base, tokenizer = _pretrain_tiny(pretrain_steps, seed, progress)
+        base, tokenizer = pretrain_tiny(pretrain_steps, seed, progress)
         model_path = os.path.join(work, "tiny-gpt2")
         base.save_pretrained(model_path)
         tokenizer.save_pretrained(model_path)
@@ -111,8 +111,8 @@ def run_demo(
         task_type="CAUSAL_LM", num_virtual_tokens=num_virtual_tokens, prompt_init="vocab", init_seed=seed
     )
     model = get_peft_model(base, config)
-    rows = [_encode(tokenizer, "", a, b) for a, b in _pairs(TRAIN_WORDS, TAGS["down"])]
-    batch = _batch(rows, tokenizer.pad_token_id)
+    rows = [encode(tokenizer, "", a, b) for a, b in pairs(TRAIN_WORDS, TAGS["down"])]
+    batch = left_padded(rows, tokenizer.pad_token_id)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
     model.train()
     bar = tqdm(range(steps), desc="tuning the soft prompt", disable=not progress)

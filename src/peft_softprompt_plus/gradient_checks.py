@@ -67,7 +67,7 @@ def prompts_of(model: nn.Module, prompt=None) -> dict[str, torch.Tensor]:
                 f"(non-tensors: {bad}). Pass the tensor(s) your model learns."
             )
         return named
-    found = {name: bank.prompt[name] for bank in _banks(model) for name in bank.active_adapters if name in bank.prompt}
+    found = {n: bank.prompts[n] for bank in _banks(model) for n in bank.active_adapters if n in bank.prompts}
     if not found:
         raise ValueError(
             f"`model` ({type(model).__name__}) has no active softprompt-plus prompt. Attach one with "

@@ -266,7 +266,7 @@ def check_gradient_flow(
 @contextlib.contextmanager
 def _probing(tuner, adapter_name: str):
     # `add_adapter` attaches an inactive, frozen prompt: make it the trainable active one while it is probed.
-    param = tuner.softprompt_plus.prompt[adapter_name]
+    param = tuner.prompt(adapter_name)
     active, requires_grad = tuner.active_adapter, param.requires_grad
     tuner.active_adapter = adapter_name
     param.requires_grad_(True)
@@ -307,7 +307,7 @@ def handle_failure(report: GradientFlowReport, mode: str) -> None:
 
 def validate_at_attach(tuner, adapter_name: str, mode: str) -> None:
     """Probe `adapter_name` through the tuner's real forward on one token; act on findings per `mode`."""
-    prompts = {adapter_name: tuner.softprompt_plus.prompt[adapter_name]}
+    prompts = {adapter_name: tuner.prompt(adapter_name)}
     with _probing(tuner, adapter_name):
         report = _report(_measure(tuner, _probe_batch(tuner, adapter_name), prompts, _probe_loss, None, True))
     handle_failure(report, mode)

@@ -16,7 +16,7 @@ from typing import Optional
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 
-from ._peft_registry import SOFTPROMPT_PLUS
+from ._names import METHOD
 from .model_card import write_model_card
 
 
@@ -36,7 +36,7 @@ _TRANSPORT_ERRORS = _transport_errors()
 
 
 def _check_model(model) -> None:
-    if getattr(model, "peft_type", None) != SOFTPROMPT_PLUS:
+    if getattr(model, "peft_type", None) != METHOD:
         raise ValueError(
             f"`model` must be a PeftModel with a SOFTPROMPT_PLUS adapter, got {type(model).__name__} with "
             f"peft_type={getattr(model, 'peft_type', None)!r}. Wrap the base with "

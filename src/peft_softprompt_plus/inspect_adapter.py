@@ -13,7 +13,7 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import HFValidationError, RemoteEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-from ._peft_registry import NAME
+from ._names import METHOD as NAME
 
 CONFIG_FILE = "adapter_config.json"
 PROMPT_SUFFIX = "softprompt_plus.prompt"

@@ -60,9 +60,7 @@ def _drop_local_base_model(card: ModelCard, base_model: str) -> None:
 
 
 def _prompt_shape(peft_model) -> Optional[list[int]]:
-    bank = getattr(peft_model.base_model, "softprompt_plus", None)
-    param = bank.prompt[peft_model.active_adapter] if bank is not None else None
-    return list(param.shape) if param is not None else None
+    return list(peft_model.base_model.prompt(peft_model.active_adapter).shape)
 
 
 def _section(peft_model, base_model: str, adapter_ref: str, for_hub: bool) -> list[str]:

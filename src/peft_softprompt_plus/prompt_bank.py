@@ -14,39 +14,44 @@ class SoftPromptBank(nn.Module, BaseTunerLayer):
     `get_model_status`, `delete_adapter`) treat it like any tuner layer.
     """
 
-    adapter_layer_names = ("prompt",)
+    adapter_layer_names = ("softprompt_plus_prompt",)  # the prefix marks adapter weights for PEFT
 
     def __init__(self) -> None:
         super().__init__()
-        self.prompt = nn.ParameterDict()
+        self.softprompt_plus_prompt = nn.ParameterDict()
         self._active_adapter = []
         self._disable_adapters = False
         self.merged_adapters = []
 
     def add(self, adapter_name: str, values: torch.Tensor, trainable: bool) -> None:
         # `clone` + float32: the prompt never aliases `wte` (whose steps would then edit the tied lm_head too).
-        self.prompt[adapter_name] = nn.Parameter(values.detach().to(torch.float32).clone(), requires_grad=trainable)
+        self.prompts[adapter_name] = nn.Parameter(values.detach().to(torch.float32).clone(), requires_grad=trainable)
 
     def _apply(self, fn, recurse: bool = True):
         # `model.half()` / `.to(torch.bfloat16)` move the prompt but must not lower it: GradScaler refuses fp16
         # gradients and small updates vanish in bf16. Take only the device from `fn` and copy back the float32 values
         # we held (lifting fn's fp16 result would round them). `.data` assignment keeps the optimizer's leaf.
-        kept = {name: param.data for name, param in self.prompt.items()}
+        kept = {name: param.data for name, param in self.prompts.items()}
         super()._apply(fn, recurse=recurse)
-        for name, param in self.prompt.items():
+        for name, param in self.prompts.items():
             if param.dtype != torch.float32:
                 param.data = kept[name].to(device=param.device)
         return self
 
     @property
+    def prompts(self) -> nn.ParameterDict:
+        """adapter name -> its float32 `[N, D]` prompt."""
+        return self.softprompt_plus_prompt
+
+    @property
     def weight(self):
         # BaseTunerLayer.weight looks for a base layer and recurses forever on a module that has none.
-        raise AttributeError("SoftPromptBank has no `weight`; the prompts are in `.prompt[adapter_name]`.")
+        raise AttributeError("SoftPromptBank has no `weight`; the prompts are in `.prompts[adapter_name]`.")
 
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device=None) -> None:
         # PEFT calls this after a `low_cpu_mem_usage` load; the bank has no base layer, and the prompt is moved to
         # the embedding's device at the point of use, so only the float32 invariant needs restating.
-        param = self.prompt[adapter_name]
+        param = self.prompts[adapter_name]
         if param.dtype != torch.float32:
             param.data = param.data.to(torch.float32)
 
@@ -61,5 +66,5 @@ class SoftPromptBank(nn.Module, BaseTunerLayer):
 
     def extra_repr(self) -> str:
         return ", ".join(
-            f"{name}: {list(p.shape)} {str(p.dtype).removeprefix('torch.')}" for name, p in self.prompt.items()
+            f"{name}: {list(p.shape)} {str(p.dtype).removeprefix('torch.')}" for name, p in self.prompts.items()
         )

@@ -54,6 +54,18 @@ def route(adapter_names: Optional[Sequence[str]], active: Optional[str], batch: 
     return Route(adapters, torch.tensor([index.get(n, -1) for n in adapter_names], dtype=torch.long))
 
 
+def check_adapter_name(adapter_name, known: Sequence[str], method: str) -> None:
+    """One existing adapter name, for `set_adapter` and `delete_adapter`."""
+    if not isinstance(adapter_name, str):
+        raise ValueError(
+            f"`{method}` takes one adapter name (str), got {type(adapter_name).__name__} {adapter_name!r}. One soft "
+            "prompt is active at a time; to run several in one batch pass `adapter_names=[name per row]` to the "
+            "forward or generate, and to train several at once call `model.set_requires_grad([...])`."
+        )
+    if adapter_name not in known:
+        raise ValueError(f"`adapter_name`={adapter_name!r} does not exist; adapters: {list(known)}.")
+
+
 def check_routable(route_: Route, concat: bool) -> None:
     """Concatenation runs one prompt for the whole batch: a batch that mixes prompts can't take it."""
     if concat and route_.rows is not None:

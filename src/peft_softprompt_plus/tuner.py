@@ -14,15 +14,12 @@ from peft.utils import set_additional_trainable_modules
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from . import attention, forward_paths, generation, gradient_flow, routing, semantics, tying
-from ._peft_registry import PREFIX
+from . import attention, forward_paths, generation, gradient_flow, loading, routing, saving, semantics, tying
+from ._names import BANK, PREFIX, SAVED_KEY
 from .config import ForwardPath, SoftPromptPlusConfig
 from .prompt_bank import SoftPromptBank
 from .prompt_init import initial_prompt
 from .tasks import TASKS, Task
-
-_BANK = "softprompt_plus"
-_SAVED_KEY = f"{_BANK}.prompt"
 
 
 def _task_name(config: SoftPromptPlusConfig) -> str:
@@ -73,13 +70,13 @@ class SoftPromptPlusModel(BaseTuner):
         task = TASKS[_task_name(config)]
         self._check_model(model, config, task)
         tying.refuse_tied_training(model, config.modules_to_save)
-        if _BANK not in self._modules:
+        if BANK not in self._modules:
             # Recorded once, so `unload()` can hand back the base model exactly as it came.
             self._base_requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
             self._base_loss_type = getattr(model, "loss_type", None)
             task.on_attach(model)
             model.requires_grad_(False)
-            self.softprompt_plus = SoftPromptBank()
+            self.prompt_bank = SoftPromptBank()
             self._kv_store = generation.PromptKVStore()
             self._pending_validation: set[str] = set()
             self._own_attention = attention.install(model)
@@ -93,8 +90,8 @@ class SoftPromptPlusModel(BaseTuner):
         trainable = adapter_name in self.active_adapters and not config.inference_mode
         try:
             values = initial_prompt(config, model.get_input_embeddings(), model.config)
-            self.softprompt_plus.add(adapter_name, values.to(model.get_input_embeddings().weight.device), trainable)
-            self.softprompt_plus._active_adapter = list(self.active_adapters)
+            self.prompt_bank.add(adapter_name, values.to(model.get_input_embeddings().weight.device), trainable)
+            self.prompt_bank._active_adapter = list(self.active_adapters)
             set_additional_trainable_modules(
                 model=model,
                 peft_config=config,
@@ -112,9 +109,9 @@ class SoftPromptPlusModel(BaseTuner):
 
     def _roll_back(self, model: nn.Module, adapter_name: str) -> None:
         """A failed attach leaves the base as it came: no half-added prompt, original `requires_grad` flags."""
-        if adapter_name in self.softprompt_plus.prompt:
-            del self.softprompt_plus.prompt[adapter_name]
-        if not self.softprompt_plus.prompt:
+        if adapter_name in self.prompt_bank.prompts:
+            del self.prompt_bank.prompts[adapter_name]
+        if not self.prompt_bank.prompts:
             attention.uninstall(model, self._own_attention)
             for name, param in model.named_parameters():
                 param.requires_grad_(self._base_requires_grad.get(name, param.requires_grad))
@@ -152,7 +149,7 @@ class SoftPromptPlusModel(BaseTuner):
         `_cast_adapter_dtype` right after loading, which is where such a deferred probe runs.
         """
         for name in sorted(self._pending_validation):
-            if self.softprompt_plus.prompt[name].is_meta:
+            if self.prompt_bank.prompts[name].is_meta:
                 continue
             self._pending_validation.discard(name)
             try:
@@ -202,10 +199,10 @@ class SoftPromptPlusModel(BaseTuner):
                 module.enable_adapters(enabled)
 
     def _check_merge_allowed(self):
-        self.softprompt_plus.merge()
+        self.prompt_bank.merge()
 
     def merge_adapter(self, *args, **kwargs) -> None:
-        self.softprompt_plus.merge()
+        self.prompt_bank.merge()
 
     def unload(self) -> nn.Module:
         """Return the base model exactly as it came: same objects, same weights, same `requires_grad` flags."""
@@ -220,7 +217,7 @@ class SoftPromptPlusModel(BaseTuner):
     # ------------------------------------------------------------------ forward
 
     def _active(self) -> Optional[str]:
-        if self.softprompt_plus.disable_adapters or not self.active_adapters:
+        if self.prompt_bank.disable_adapters or not self.active_adapters:
             return None
         if len(self.active_adapters) > 1:
             raise ValueError(
@@ -232,14 +229,14 @@ class SoftPromptPlusModel(BaseTuner):
     def prompt(self, adapter_name: Optional[str] = None) -> nn.Parameter:
         """The float32 `[N, D]` prompt of `adapter_name` (default: the active adapter): the leaf to optimize."""
         name = adapter_name if adapter_name is not None else self.active_adapters[0]
-        if name not in self.softprompt_plus.prompt:
-            raise ValueError(f"`adapter_name`={name!r} does not exist; adapters: {list(self.softprompt_plus.prompt)}.")
-        return self.softprompt_plus.prompt[name]
+        if name not in self.prompt_bank.prompts:
+            raise ValueError(f"`adapter_name`={name!r} does not exist; adapters: {list(self.prompt_bank.prompts)}.")
+        return self.prompt_bank.prompts[name]
 
     def prompt_for_use(self, adapter_name: str) -> torch.Tensor:
         """The float32 leaf cast to the embedding's dtype/device at the point of use: its gradient stays float32."""
         weight = self.model.get_input_embeddings().weight
-        return self.softprompt_plus.prompt[adapter_name].to(device=weight.device, dtype=weight.dtype)  # [N, D]
+        return self.prompt_bank.prompts[adapter_name].to(device=weight.device, dtype=weight.dtype)  # [N, D]
 
     def _uses_attention(self, route: routing.Route) -> bool:
         """The attention path unless a config asks for concatenation or the family can't take the prompt there."""
@@ -266,7 +263,7 @@ class SoftPromptPlusModel(BaseTuner):
 
     def _route(self, adapter_names, text) -> routing.Route:
         names = adapter_names if adapter_names is not None else getattr(self, "_adapter_names", None)
-        if names is not None and self.softprompt_plus.disable_adapters:
+        if names is not None and self.prompt_bank.disable_adapters:
             raise ValueError(
                 f"`adapter_names`={names!r} was passed while the adapters are disabled (`disable_adapter()`). Leave "
                 "the context to route rows to prompts, or use '__base__' rows for the base model."
@@ -352,30 +349,26 @@ class SoftPromptPlusModel(BaseTuner):
 
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
-        suffix = f"{_SAVED_KEY}.{adapter_name}"
-        return {k: v.detach().to(torch.float32).contiguous() for k, v in state_dict.items() if k.endswith(suffix)}
+        suffix = f"{BANK}.softprompt_plus_prompt.{adapter_name}"
+        found = [v for k, v in state_dict.items() if k.endswith(suffix)]
+        return {SAVED_KEY: saving.full_prompt(v, config.num_virtual_tokens, adapter_name) for v in found}
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
         bank_name, bank = next((n, m) for n, m in model.named_modules() if isinstance(m, SoftPromptBank))
         tuner = next(m for m in model.modules() if isinstance(m, SoftPromptPlusModel))
-        saved = [k for k in state_dict if k.endswith(_SAVED_KEY)]
+        saved = [k for k in state_dict if k.endswith(SAVED_KEY)]
+        expected = tuple(bank.prompts[adapter_name].shape)
+        problems = [loading.diagnose_prompt(state_dict[k], expected, "The saved adapter") for k in saved]
         if not saved:
-            tuner._abandon_load(adapter_name)
-            raise ValueError(
-                f"The adapter weights hold no soft prompt (no key ending in {_SAVED_KEY!r}; found "
-                f"{sorted(state_dict)[:5]}). This is not a softprompt-plus adapter, or the file is damaged."
+            problems.append(
+                f"The adapter weights hold no soft prompt (no key ending in {SAVED_KEY!r}; found "
+                f"{sorted(state_dict)[:5]}): it is not a softprompt-plus adapter."
             )
-        expected = bank.prompt[adapter_name].shape
+        problem = next((p for p in problems if p), None)
+        if problem:
+            tuner._abandon_load(adapter_name)
+            raise loading.AdapterFileError(problem)
         remapped = {k: v for k, v in state_dict.items() if k not in saved}
-        for key in saved:
-            value = state_dict[key]
-            if value.shape != expected:
-                tuner._abandon_load(adapter_name)
-                raise ValueError(
-                    f"The saved prompt has shape {list(value.shape)} = [num_virtual_tokens, hidden size], but this "
-                    f"base model needs {list(expected)}: the adapter was trained on a model with hidden size "
-                    f"{value.shape[-1]}, this one has {expected[-1]}. Load it into the base model it was trained on."
-                )
-            remapped[f"{bank_name}.prompt.{adapter_name}"] = value
+        remapped.update({f"{bank_name}.softprompt_plus_prompt.{adapter_name}": state_dict[k] for k in saved})
         return remapped

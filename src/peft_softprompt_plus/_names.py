@@ -1,0 +1,9 @@
+"""The method's names, in a leaf module every other one may import."""
+
+METHOD = "SOFTPROMPT_PLUS"  # the PeftType member and `peft_type` in adapter_config.json
+PREFIX = "softprompt_plus_"  # PEFT finds adapter parameters by this prefix in their names
+BANK = "prompt_bank"  # the tuner's SoftPromptBank; its prompts: `base_model.prompt_bank.softprompt_plus_prompt.<name>`
+SAVED_KEY = "base_model.softprompt_plus.prompt"  # the prompt's key in adapter_model.safetensors (every release)
+BASE_ROW = "__base__"  # `adapter_names` entry for a row without a prompt (PEFT's convention)
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
