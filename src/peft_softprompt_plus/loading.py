@@ -23,8 +23,8 @@ def read_config(folder: str) -> dict:
     path = os.path.join(folder, CONFIG_FILE)
     if not os.path.isfile(path):
         raise AdapterFileError(
-            f"{folder!r} holds no {CONFIG_FILE}: it is not a saved adapter (or the save didn't finish). Pass the folder "
-            "that `save_pretrained` wrote."
+            f"{folder!r} holds no {CONFIG_FILE}: it is not a saved adapter (or the save didn't finish). Pass the "
+            "folder that `save_pretrained` wrote."
         )
     try:
         with open(path, encoding="utf-8") as handle:

@@ -28,8 +28,9 @@ def full_prompt(value, num_virtual_tokens: int, adapter_name: str):
     sharded = type(value).__name__ == "DTensor" or value.dim() != 2 or value.shape[0] != num_virtual_tokens
     if sharded:
         raise ValueError(
-            f"The prompt of adapter {adapter_name!r} is sharded on this process ({type(value).__name__} of local shape "
-            f"{list(value.shape)}, expected [{num_virtual_tokens}, hidden size]), so saving it would write a shard. "
+            f"The prompt of adapter {adapter_name!r} is sharded on this process ({type(value).__name__} of local "
+            f"shape {list(value.shape)}, expected [{num_virtual_tokens}, hidden size]), so saving it would write a "
+            "shard. "
             "Gather the full state dict on every rank, then save it on one: with FSDP2, "
             "`sd = torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
             "full_state_dict=True, cpu_offload=True))`; with FSDP1, `with FSDP.state_dict_type(model, "

@@ -350,8 +350,10 @@ class SoftPromptPlusModel(BaseTuner):
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
         suffix = f"{BANK}.softprompt_plus_prompt.{adapter_name}"
-        found = [v for k, v in state_dict.items() if k.endswith(suffix)]
-        return {SAVED_KEY: saving.full_prompt(v, config.num_virtual_tokens, adapter_name) for v in found}
+        found = next((v for k, v in state_dict.items() if k.endswith(suffix)), None)
+        if found is None:
+            return {}
+        return {SAVED_KEY: saving.full_prompt(found, config.num_virtual_tokens, adapter_name)}
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
