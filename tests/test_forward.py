@@ -201,7 +201,7 @@ def test_too_long_is_refused_before_the_model_fails(make_peft):
         ({}, "exactly one of `input_ids` and `inputs_embeds`"),
         ({"input_ids": "ids", "inputs_embeds": "embeds"}, "exactly one"),
         ({"input_ids": "ids", "position_ids": "ids"}, "`position_ids`"),
-        ({"input_ids": "ids", "attention_mask": "bad_mask"}, r"`attention_mask` must have shape \[batch, seq_len\]"),
+        ({"input_ids": "ids", "attention_mask": "bad_mask"}, r"`attention_mask` must have shape \[2, 4\]"),
     ],
 )
 def test_bad_forward_inputs(make_peft, kwargs, match):

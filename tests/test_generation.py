@@ -149,7 +149,7 @@ def test_generate_rejects_embeds_and_caches(model):
     ids = random_ids(1, 4)
     with pytest.raises(ValueError, match="`input_ids` is required"):
         model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=2)
-    with pytest.raises(ValueError, match="has 128 positions"):
+    with pytest.raises(ValueError, match=r"would need 133 positions.*N=6.*L=125.*\(2\), but the model has 128"):
         model.generate(input_ids=random_ids(1, 125), max_new_tokens=2)
 
 

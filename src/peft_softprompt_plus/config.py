@@ -9,6 +9,7 @@ from typing import Optional
 from peft.config import PeftConfig
 
 from ._peft_registry import SOFTPROMPT_PLUS
+from .tasks import task_of
 
 
 class PromptInit(str, enum.Enum):
@@ -35,7 +36,6 @@ class ForwardPath(str, enum.Enum):
     CONCAT = "concat"
 
 
-SUPPORTED_TASK_TYPES = ("CAUSAL_LM", "SEQ_CLS")
 
 
 def _choice(enum_cls: type[enum.Enum], name: str, value) -> str:
@@ -110,14 +110,8 @@ class SoftPromptPlusConfig(PeftConfig):
         self.validate_gradients = _choice(ValidateGradients, "validate_gradients", self.validate_gradients)
         self.forward_path = _choice(ForwardPath, "forward_path", self.forward_path)
         # Checks are independent `if`s so that one bad field never hides another's message.
-        if (
-            self.task_type is not None
-            and str(getattr(self.task_type, "value", self.task_type)) not in SUPPORTED_TASK_TYPES
-        ):
-            raise ValueError(
-                f"`task_type` must be one of {list(SUPPORTED_TASK_TYPES)}, got {self.task_type!r}. Soft prompts here "
-                "target GPT-2-style decoder models."
-            )
+        if self.task_type is not None:
+            task_of(self.task_type)
         if isinstance(self.num_virtual_tokens, bool) or not isinstance(self.num_virtual_tokens, int):
             raise ValueError(
                 f"`num_virtual_tokens` must be a positive int, got {self.num_virtual_tokens!r} "

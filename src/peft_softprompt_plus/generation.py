@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import attention, forward_paths, semantics
+from . import attention, forward_paths, semantics, validation
 
 
 class PromptKVStore:
@@ -70,8 +70,10 @@ def _inputs(model: nn.Module, num_prompt: int, args: tuple, kwargs: dict):
                 f"`{key}` can't be passed to `generate()` with a soft prompt, got a {type(kwargs[key]).__name__}: the "
                 "prompt owns positions 0..N-1 (text positions come from `attention_mask`) and the cache."
             )
+    input_ids = validation.check_ids("input_ids", input_ids, model.get_input_embeddings().num_embeddings)
     batch, length = input_ids.shape
-    semantics.check_fits(num_prompt, length, semantics.max_positions(model.config))
+    validation.check_mask(kwargs.get("attention_mask"), batch, length)
+    validation.check_generate_fits(model, num_prompt, length, kwargs)
     mask = semantics.text_mask(kwargs.pop("attention_mask", None), batch, length, input_ids.device)  # [B, T]
     return input_ids, mask
 

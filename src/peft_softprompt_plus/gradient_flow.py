@@ -17,6 +17,7 @@ import torch
 import transformers
 from torch import nn
 
+from .tasks import task_of
 from .gradient_checks import (
     FINDING_CODES,  # noqa: F401 (re-exported: callers import it from here)
     Evidence,
@@ -212,14 +213,11 @@ def _undisturbed(model: nn.Module, grad_context):
 
 # ---------------------------------------------------------------------------------------------- entry points
 
-_PROBE_LABELS: dict[str, bool] = {"CAUSAL_LM": True, "SEQ_CLS": False}  # does the task take token labels
-
-
 def _probe_batch(tuner, adapter_name: str) -> dict:
     task = tuner.peft_config[adapter_name].task_type or "CAUSAL_LM"
     device = tuner.model.get_input_embeddings().weight.device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]: one text token exercises every path
-    labels = {"labels": ids} if _PROBE_LABELS.get(str(getattr(task, "value", task))) else {}
+    labels = {"labels": ids} if task_of(task).token_labels else {}
     return {"input_ids": ids, **labels}
 
 

@@ -9,6 +9,8 @@ from typing import Optional
 from huggingface_hub import ModelCard
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from .tasks import task_name, task_of
+
 TAGS = ("peft", "softprompt-plus", "prompt-tuning", "soft-prompt")
 HEADING = "## Soft prompt (peft-softprompt-plus)"
 # Markers around our section, so a re-save replaces exactly it, whatever headings the user's text uses.
@@ -16,11 +18,10 @@ START, END = "<!-- softprompt-plus:start -->", "<!-- softprompt-plus:end -->"
 IMPORT_LINE = (
     "import peft_softprompt_plus  # registers SOFTPROMPT_PLUS with PEFT; loading fails with KeyError without it"
 )
-_AUTO_CLASS = {"CAUSAL_LM": "AutoModelForCausalLM", "SEQ_CLS": "AutoModelForSequenceClassification"}
 
 
 def usage_snippet(base_model: str, repo_or_path: str, task_type: str) -> str:
-    auto = _AUTO_CLASS.get(task_type, "AutoModelForCausalLM")
+    auto = task_of(task_type).auto_class
     return (
         "```python\n"
         f"{IMPORT_LINE}\n"
@@ -65,7 +66,7 @@ def _prompt_shape(peft_model) -> Optional[list[int]]:
 
 def _section(peft_model, base_model: str, adapter_ref: str, for_hub: bool) -> list[str]:
     config = peft_model.active_peft_config
-    task = str(getattr(config.task_type, "value", config.task_type or "CAUSAL_LM"))
+    task = task_name(config.task_type)
     init = f"`{config.prompt_init}`"
     if config.prompt_init_text:
         init += f" from the text {config.prompt_init_text!r}"

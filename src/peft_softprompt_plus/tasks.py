@@ -128,16 +128,46 @@ def _sequence_classification(model: nn.Module, batch: PromptedBatch, labels: Opt
 
 @dataclass(frozen=True)
 class Task:
-    run: Callable
-    # (model, labels, forward kwargs) -> prompt positions that must run with the text on the shared-KV path
-    riding_when_shared: Callable[[nn.Module, Optional[torch.Tensor], dict], int]
-    needs: str  # attribute the wrapped model must have
+    """Everything that differs between task types; adding a task type means adding one record to `TASKS`."""
+
+    run: Callable  # (model, PromptedBatch, labels, forward kwargs) -> outputs shaped like the base model's
+    riding: Callable[[nn.Module, Optional[torch.Tensor], dict], int]  # prompt positions run with the text (0 or 1)
+    head: str  # the attribute the wrapped model must have
+    auto_class: str  # the transformers Auto class that loads such a base (model card, tiny models, errors)
+    token_labels: bool  # labels per token `[B, L]` (the probe labels its token) or per row `[B]`
     on_attach: Callable = lambda model: None  # adjusts the base model once, when the first adapter is attached
 
 
 TASKS: dict[str, Task] = {
     "CAUSAL_LM": Task(
-        run=_causal_lm, riding_when_shared=_causal_lm_riding, needs="lm_head", on_attach=_count_every_label
+        run=_causal_lm,
+        riding=_causal_lm_riding,
+        head="lm_head",
+        auto_class="AutoModelForCausalLM",
+        token_labels=True,
+        on_attach=_count_every_label,
     ),
-    "SEQ_CLS": Task(run=_sequence_classification, riding_when_shared=lambda model, labels, kwargs: 0, needs="score"),
+    "SEQ_CLS": Task(
+        run=_sequence_classification,
+        riding=lambda model, labels, kwargs: 0,
+        head="score",
+        auto_class="AutoModelForSequenceClassification",
+        token_labels=False,
+    ),
 }
+SUPPORTED_TASK_TYPES = tuple(TASKS)
+
+
+def task_name(task_type) -> str:
+    """A config's `task_type` (a `TaskType`, its string, or None for CAUSAL_LM) as the key of `TASKS`."""
+    return str(getattr(task_type, "value", task_type) or "CAUSAL_LM")
+
+
+def task_of(task_type) -> Task:
+    name = task_name(task_type)
+    if name not in TASKS:
+        raise ValueError(
+            f"`task_type` must be one of {list(SUPPORTED_TASK_TYPES)}, got {task_type!r}: soft prompts here target "
+            "decoder models for causal language modelling or sequence classification."
+        )
+    return TASKS[name]

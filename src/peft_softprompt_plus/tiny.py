@@ -8,13 +8,9 @@ from typing import Optional
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    GPT2Config,
-    GPT2ForSequenceClassification,
-    GPT2LMHeadModel,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
+
+from .tasks import task_of
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 
@@ -84,9 +80,8 @@ def tiny_gpt2(seed: int = 0, task: str = "CAUSAL_LM", vocab_size: Optional[int] 
     """A seeded random GPT-2 (causal LM or sequence classifier) sized for CPU tests."""
     vocab_size = vocab_size if vocab_size is not None else len(tiny_tokenizer())
     config = tiny_config(vocab_size, **overrides)
-    cls = {"CAUSAL_LM": GPT2LMHeadModel, "SEQ_CLS": GPT2ForSequenceClassification}[task]
     torch.manual_seed(seed)
-    return cls(config).eval()
+    return getattr(transformers, task_of(task).auto_class).from_config(config).eval()
 
 
 def save_tiny(path: str, seed: int = 0, **overrides) -> str:

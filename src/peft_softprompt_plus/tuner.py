@@ -6,6 +6,7 @@ PEFT calls into it as it would into LoRA; the prompt itself lives in a `SoftProm
 from __future__ import annotations
 
 import contextlib
+import difflib
 from typing import Optional
 
 import torch
@@ -14,17 +15,23 @@ from peft.utils import set_additional_trainable_modules
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from . import attention, forward_paths, generation, gradient_flow, loading, routing, saving, semantics, tying
+from . import (
+    attention,
+    forward_paths,
+    generation,
+    gradient_flow,
+    loading,
+    routing,
+    saving,
+    semantics,
+    tying,
+    validation,
+)
 from ._names import BANK, PREFIX, SAVED_KEY
 from .config import ForwardPath, SoftPromptPlusConfig
 from .prompt_bank import SoftPromptBank
 from .prompt_init import initial_prompt
-from .tasks import TASKS, Task
-
-
-def _task_name(config: SoftPromptPlusConfig) -> str:
-    task = config.task_type or "CAUSAL_LM"
-    return str(getattr(task, "value", task))
+from .tasks import Task, task_name, task_of
 
 
 def _checkpointing(model: nn.Module) -> bool:
@@ -49,10 +56,34 @@ def _lift_to_float32(module: nn.Module) -> None:
         module._softprompt_plus_casts_input = True
 
 
+_SEQ_CLS_HEADS = {"classifier", "score"}  # PeftModelForSequenceClassification adds both, whichever the model has
+
+
+def _check_modules_to_save(model: nn.Module, wanted) -> None:
+    """Each name must match a module as PEFT matches them (the full name or its last parts)."""
+    names = [n for n, _ in model.named_modules() if n]
+    for entry in set(wanted or ()) - _SEQ_CLS_HEADS:
+        if not any(n == entry or n.endswith("." + entry) for n in names):
+            close = difflib.get_close_matches(entry, sorted({n.rsplit(".", 1)[-1] for n in names} | set(names)), n=3)
+            raise ValueError(
+                f"`modules_to_save` names {entry!r}, which matches no module of {type(model).__name__}"
+                f"{f'; did you mean {close}?' if close else '.'} List module names from `model.named_modules()`."
+            )
+
+
 class SoftPromptPlusModel(BaseTuner):
     """Tuner for `SoftPromptPlusConfig`. Users reach it through `get_peft_model`; see the package README."""
 
     prefix: str = PREFIX
+
+    def __init__(self, model: nn.Module, peft_config, adapter_name: str = "default", **kwargs) -> None:
+        if not isinstance(peft_config, dict):  # PeftModel hands {name: config}; inject_adapter_in_model a bare config
+            raise ValueError(
+                "`inject_adapter_in_model` can't attach a SoftPromptPlusConfig: a soft prompt is an input, not a layer "
+                "injected into the model, and it needs the PeftModel that owns forward and generate. Use "
+                "`peft.get_peft_model(model, config)`; the model was left untouched."
+            )
+        super().__init__(model, peft_config, adapter_name, **kwargs)
     tuner_layer_cls = SoftPromptBank
     target_module_mapping: dict = {}
 
@@ -67,7 +98,7 @@ class SoftPromptPlusModel(BaseTuner):
         state_dict: Optional[dict] = None,
     ) -> None:
         config = self.peft_config[adapter_name]
-        task = TASKS[_task_name(config)]
+        task = task_of(config.task_type)
         self._check_model(model, config, task)
         tying.refuse_tied_training(model, config.modules_to_save)
         if BANK not in self._modules:
@@ -124,16 +155,23 @@ class SoftPromptPlusModel(BaseTuner):
 
     @staticmethod
     def _check_model(model: nn.Module, config: SoftPromptPlusConfig, task) -> None:
+        limit = semantics.max_positions(getattr(model, "config", None))
+        if limit is not None and config.num_virtual_tokens >= limit:
+            raise ValueError(
+                f"`num_virtual_tokens`={config.num_virtual_tokens} leaves no room for text: {type(model).__name__} has "
+                f"{limit} positions. Use fewer virtual tokens (the prompt and the longest text must fit in {limit})."
+            )
+        _check_modules_to_save(model, config.modules_to_save)
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if not isinstance(embedding, nn.Embedding):
             raise ValueError(
                 f"SoftPromptPlusConfig needs a model whose `get_input_embeddings()` is an nn.Embedding, got "
                 f"{type(model).__name__} with {type(embedding).__name__}. Use a GPT-2-style transformers model."
             )
-        if not hasattr(model, task.needs):
+        if not hasattr(model, task.head):
             raise ValueError(
-                f"`task_type`={_task_name(config)!r} needs a model with `.{task.needs}`, got {type(model).__name__}. "
-                "Use AutoModelForCausalLM for CAUSAL_LM and AutoModelForSequenceClassification for SEQ_CLS."
+                f"`task_type`={task_name(config.task_type)!r} needs a model with `.{task.head}`, got "
+                f"{type(model).__name__}. Load the base with {task.auto_class}."
             )
 
     def _create_and_replace(self, *args, **kwargs):  # BaseTuner's abstract hook; nothing is replaced
@@ -272,13 +310,13 @@ class SoftPromptPlusModel(BaseTuner):
         return routing.route(names, None if names is not None else self._active(), batch, list(self.peft_config))
 
     def _task_of(self, adapters) -> Task:
-        tasks = {_task_name(self.peft_config[a]) for a in adapters}
+        tasks = {task_name(self.peft_config[a].task_type) for a in adapters}
         if len(tasks) > 1:
             raise ValueError(
                 f"`adapter_names` routes one batch to adapters of different task types {sorted(tasks)}; a batch runs "
                 "one head. Route each task type in its own batch."
             )
-        return TASKS[tasks.pop()]
+        return task_of(tasks.pop())
 
     def _names_for_heads(self, adapter_names) -> list[str]:
         """Per-row names for the SEQ_CLS head's copies; other `modules_to_save` copies can't follow a mixed batch."""
@@ -299,29 +337,16 @@ class SoftPromptPlusModel(BaseTuner):
             return self.model(
                 input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, labels=labels, **kw
             )
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError(
-                "Pass exactly one of `input_ids` and `inputs_embeds` to a soft-prompted model, got "
-                f"input_ids={'a tensor' if input_ids is not None else None}, "
-                f"inputs_embeds={'a tensor' if inputs_embeds is not None else None}."
-            )
-        for key in ("cache", "past_key_values", "position_ids"):
-            if kw.get(key) is not None:
-                raise ValueError(
-                    f"`{key}` can't be passed to a soft-prompted forward, got a {type(kw[key]).__name__}: the "
-                    "prompt owns positions 0..N-1 and the cache. Positions come from `attention_mask`; for "
-                    "incremental decoding use `model.generate()`; with TRL, turn off `packing` and `padding_free` "
-                    "(one prompt can't sit in front of each packed document)."
-                )
+        task = self._task_of(route.adapters)
+        validation.check_forward(self.model, input_ids, inputs_embeds, attention_mask, labels, kw, task.token_labels)
         if self.training and not torch.is_grad_enabled():
             gradient_flow.warn_grad_disabled_once(self)
-        task = self._task_of(route.adapters)
         names = None if route.rows is None else self._names_for_heads(adapter_names)
         rows = forward_paths.RowPrompts([self.prompt_for_use(a) for a in route.adapters], route.rows, names)
         longest = max(p.shape[0] for p in rows.prompts)
         semantics.check_fits(longest, text.shape[1], semantics.max_positions(self.model.config))
         if self._uses_attention(route):
-            riding = task.riding_when_shared(self.model, labels, kw)
+            riding = task.riding(self.model, labels, kw)
             # Inference reuses each adapter's stored prompt pass, as generate does: serving pays for the text alone.
             stored = None if riding or self.model.training or torch.is_grad_enabled() else self._stored(route, rows)
             batch = forward_paths.build_attention(
