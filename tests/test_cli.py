@@ -49,7 +49,7 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
 
 
 def test_every_subcommand_has_help(capsys):
-    assert _subcommands() == ["demo", "inspect"]
+    assert _subcommands() == ["autoload", "demo", "inspect", "run"]
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     out = capsys.readouterr().out
@@ -147,7 +147,7 @@ def test_inspect_bad_adapters_are_named_and_explained(adapter_dir, tiny_model_di
         str(tmp_path / "config-only"): "has adapter_config.json but no weights",
         str(tmp_path / "lora"): "is a 'LORA' adapter, not SOFTPROMPT_PLUS",
         str(adapter_dir / "adapter_config.json"): "is a file, not a folder",
-        "./no/such/folder": "is neither an existing folder nor a valid Hub repo id",
+        "./no/such/folder": "is neither an existing folder nor a Hub repo id",
     }
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         cases["user/not-cached-anywhere"] = "could not be fetched from the Hub"

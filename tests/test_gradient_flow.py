@@ -353,7 +353,9 @@ def test_bad_inputs_raise_clear_errors(make_peft):
         check_gradient_flow(model, {"input_ids": ids})
     with pytest.raises(ValueError, match=r"`batch` \(\['input_ids', 'labels'\]\) could not be run through the model"):
         check_gradient_flow(model, {"input_ids": ids.float(), "labels": ids})  # float ids
-    with pytest.raises(ValueError, match=r"could not be run through the model: TypeError: `input_ids` must be a torch.Tensor"):
+    with pytest.raises(
+        ValueError, match=r"could not be run through the model: TypeError: `input_ids` must be a torch.Tensor"
+    ):
         check_gradient_flow(model, {"input_ids": ids.tolist(), "labels": ids})  # lists, not tensors
     with pytest.raises(TypeError, match=r"`batch` must be a dict"):
         check_gradient_flow(model, "the quick brown fox")

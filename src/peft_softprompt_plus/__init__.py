@@ -1,36 +1,41 @@
-"""peft-softprompt-plus: exact, fast, tie-safe soft prompts for GPT-2-style models, as a PEFT method.
+"""peft-softprompt-plus: exact, fast, tie-safe soft prompts for decoder models, as a PEFT method.
 
-`import peft_softprompt_plus` registers the `SOFTPROMPT_PLUS` method with PEFT; then use `get_peft_model`,
-`PeftModel.from_pretrained` and `AutoPeftModelForCausalLM` as for any PEFT adapter.
+`import peft_softprompt_plus` registers the `SOFTPROMPT_PLUS` method with PEFT (at once when PEFT is already
+imported, else the moment it is); then use `get_peft_model`, `PeftModel.from_pretrained` and
+`AutoPeftModelForCausalLM` as for any PEFT adapter. The public names below load on first use.
 """
 
-from ._peft_registry import SOFTPROMPT_PLUS, register
-from .callbacks import GradientFlowCallback
-from .config import SoftPromptPlusConfig
-from .gradient_flow import (
-    FINDING_CODES,
-    Finding,
-    GradientFlowError,
-    GradientFlowReport,
-    GradientFlowWarning,
-    check_gradient_flow,
-)
-from .tuner import SoftPromptPlusModel
+from ._site import hook as _hook
 
-register(SoftPromptPlusConfig, SoftPromptPlusModel)
+__version__ = "0.2.0"
 
-__version__ = "0.1.0"
+_PUBLIC = {  # name -> the module that defines it
+    "SOFTPROMPT_PLUS": "_peft_registry",
+    "SoftPromptPlusConfig": "config",
+    "SoftPromptPlusModel": "tuner",
+    "AdapterFileError": "loading",
+    "GradientFlowCallback": "callbacks",
+    "FINDING_CODES": "gradient_checks",
+    "Finding": "gradient_checks",
+    "GradientFlowError": "gradient_flow",
+    "GradientFlowReport": "gradient_flow",
+    "GradientFlowWarning": "gradient_flow",
+    "check_gradient_flow": "gradient_flow",
+}
+__all__ = sorted(_PUBLIC) + ["__version__"]
 
-__all__ = [
-    "FINDING_CODES",
-    "SOFTPROMPT_PLUS",
-    "Finding",
-    "GradientFlowCallback",
-    "GradientFlowError",
-    "GradientFlowReport",
-    "GradientFlowWarning",
-    "SoftPromptPlusConfig",
-    "SoftPromptPlusModel",
-    "__version__",
-    "check_gradient_flow",
-]
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _hook.register_now()
+    value = getattr(_hook._import(f"{__name__}.{_PUBLIC[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+_hook.install()

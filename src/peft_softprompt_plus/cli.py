@@ -1,29 +1,76 @@
-"""`softprompt-plus` command line: `demo` (the README's main job) and `inspect ADAPTER`."""
+"""`softprompt-plus` command line: `demo` (the README's main job), `inspect ADAPTER`, `run -- COMMAND` and
+`autoload`. Arguments are checked before torch, transformers or PEFT are imported, so mistakes fail at once."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shutil
 import sys
+import sysconfig
 from typing import Optional, Sequence
+
+STARTUP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site", "startup")
+AUTOLOAD_PTH = "peft_softprompt_plus_autoload.pth"
+AUTOLOAD_LINE = "import peft_softprompt_plus._site.hook as _h; _h.install()\n"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class UsageError(Exception):
+    """A bad argument: printed as one `error:` line, exit status 2."""
+
+
+def _existing_or_repo(name: str, value: str, fix: str) -> None:
+    """A local path must exist; anything else must look like a Hub repo id (`org/name`)."""
+    if os.path.exists(value) or (_REPO_ID.match(value) and not value.startswith((".", "~"))):
+        return
+    raise UsageError(f"`{name}`={value!r} is neither an existing folder nor a Hub repo id (org/name). {fix}")
 
 
 def _demo(args) -> int:
+    if args.model is not None:
+        _existing_or_repo("--model", args.model, "Pass a GPT-2 checkpoint folder or Hub id.")
+    if args.steps < 1:
+        raise UsageError(f"`--steps` must be >= 1, got {args.steps}.")
     from .demo import main
 
     return main(args)
 
 
 def _inspect(args) -> int:
-    # Imported here so that `--help` stays instant: this pulls in torch and transformers.
-    from .inspect_adapter import inspect_adapter
+    _existing_or_repo("adapter", args.adapter, "Pass the folder written by `model.save_pretrained(...)`.")
+    if args.base is not None:
+        _existing_or_repo("--base", args.base, "Pass the base model's folder or Hub id.")
+    from .inspect_adapter import inspect_adapter  # torch, transformers: only now
 
-    try:
-        report = inspect_adapter(args.adapter, base=args.base, top_k=args.top_k)
-    except (ValueError, OSError) as err:
-        print(f"softprompt-plus inspect: error: {err}", file=sys.stderr)
-        return 2
+    report = inspect_adapter(args.adapter, base=args.base, top_k=args.top_k)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0
+
+
+def _run(args) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise UsageError("`run` needs a command after `--`, e.g. softprompt-plus run -- lm_eval --model hf ...")
+    program = shutil.which(command[0])
+    if program is None:
+        raise UsageError(f"`run`: command {command[0]!r} not found on PATH.")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (STARTUP_DIR, env.get("PYTHONPATH")) if p)
+    os.execve(program, command, env)  # replaces this process; returns only on failure (raises OSError)
+    return 0  # pragma: no cover
+
+
+def _autoload(args) -> int:
+    path = os.path.join(sysconfig.get_paths()["purelib"], AUTOLOAD_PTH)
+    if args.action == "on":
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(AUTOLOAD_LINE)
+    elif args.action == "off" and os.path.exists(path):
+        os.remove(path)
+    print(f"autoload is {'on' if os.path.exists(path) else 'off'} ({path})")
     return 0
 
 
@@ -36,9 +83,9 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="softprompt-plus", description="Exact, fast, tie-safe soft prompts for GPT-2-style models (PEFT)."
+        prog="softprompt-plus", description="Exact, fast, tie-safe soft prompts for decoder models (PEFT)."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="subcommand", required=True)
     demo = sub.add_parser(
         "demo",
         help="Prompt-tune a frozen tiny GPT-2 offline, then save, reload and generate.",
@@ -66,12 +113,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--json", action="store_true", help="Print the report as JSON.")
     inspect.set_defaults(func=_inspect)
+
+    run = sub.add_parser(
+        "run",
+        help="Run a program with the method registered in every Python process it starts.",
+        description="softprompt-plus run -- COMMAND [ARGS...]: runs COMMAND (lm_eval, torchrun, accelerate launch, "
+        "a script) with a sitecustomize on PYTHONPATH that registers SOFTPROMPT_PLUS with PEFT as soon as PEFT is "
+        "imported, so tools that never import this package load its adapters. A sitecustomize already on the path "
+        "still runs.",
+    )
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
+    run.set_defaults(func=_run)
+
+    autoload = sub.add_parser(
+        "autoload",
+        help="Opt in to registering with PEFT in every Python process of this environment.",
+        description="on: write a .pth file into this environment's site-packages that installs a start-up hook "
+        "(a few milliseconds, standard library only; the package itself loads when PEFT is imported). off: remove "
+        "it. status: say which.",
+    )
+    autoload.add_argument("action", choices=["on", "off", "status"])
+    autoload.set_defaults(func=_autoload)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (UsageError, ValueError, OSError) as err:
+        print(f"softprompt-plus {args.subcommand}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

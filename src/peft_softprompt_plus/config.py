@@ -36,8 +36,6 @@ class ForwardPath(str, enum.Enum):
     CONCAT = "concat"
 
 
-
-
 def _choice(enum_cls: type[enum.Enum], name: str, value) -> str:
     allowed = [m.value for m in enum_cls]
     if isinstance(value, enum.Enum):

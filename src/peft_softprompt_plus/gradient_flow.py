@@ -17,7 +17,6 @@ import torch
 import transformers
 from torch import nn
 
-from .tasks import task_of
 from .gradient_checks import (
     FINDING_CODES,  # noqa: F401 (re-exported: callers import it from here)
     Evidence,
@@ -27,6 +26,7 @@ from .gradient_checks import (
     run_checks,
     static_evidence,
 )
+from .tasks import task_of
 
 
 class GradientFlowError(RuntimeError):
@@ -212,6 +212,7 @@ def _undisturbed(model: nn.Module, grad_context):
 
 
 # ---------------------------------------------------------------------------------------------- entry points
+
 
 def _probe_batch(tuner, adapter_name: str) -> dict:
     task = tuner.peft_config[adapter_name].task_type or "CAUSAL_LM"

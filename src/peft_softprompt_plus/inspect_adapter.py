@@ -6,34 +6,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import HFValidationError, RemoteEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-from ._names import METHOD as NAME
-
-CONFIG_FILE = "adapter_config.json"
-PROMPT_SUFFIX = "softprompt_plus.prompt"
-
-
-def _load_safetensors(path: str) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(path)
-
-
-def _load_bin(path: str) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-# PEFT writes safetensors unless told `safe_serialization=False`; try the safe format first.
-WEIGHT_LOADERS: dict[str, Callable[[str], dict]] = {
-    "adapter_model.safetensors": _load_safetensors,
-    "adapter_model.bin": _load_bin,
-}
+from . import loading
+from ._names import CONFIG_FILE, METHOD, WEIGHT_FILES
 
 
 @dataclass
@@ -114,26 +95,21 @@ def _resolve(adapter: str) -> tuple[str, str]:
         config_path = _local_or_hub_file(adapter, CONFIG_FILE)
         if config_path is None:
             raise _not_an_adapter(adapter, f"has no {CONFIG_FILE}")
-        weights_path = next(filter(None, (_local_or_hub_file(adapter, name) for name in WEIGHT_LOADERS)), None)
+        weights_path = next(filter(None, (_local_or_hub_file(adapter, name) for name in WEIGHT_FILES)), None)
     except OSError as err:  # Hub errors, offline mode and unreachable endpoints are all OSErrors here
         raise _not_an_adapter(adapter, f"could not be fetched from the Hub ({type(err).__name__}: {err})") from err
     if weights_path is None:
-        raise _not_an_adapter(adapter, f"has {CONFIG_FILE} but no weights ({' or '.join(WEIGHT_LOADERS)})")
+        raise _not_an_adapter(adapter, f"has {CONFIG_FILE} but no weights ({' or '.join(WEIGHT_FILES)})")
     return config_path, weights_path
 
 
 def read_adapter(adapter: str) -> tuple[dict, torch.Tensor]:
     """The adapter's config dict and its float32 `[N, D]` prompt, validated as a SOFTPROMPT_PLUS adapter."""
     config_path, weights_path = _resolve(adapter)
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
-    if config.get("peft_type") != NAME:
-        raise _not_an_adapter(adapter, f"is a {config.get('peft_type')!r} adapter, not {NAME}")
-    state = WEIGHT_LOADERS[os.path.basename(weights_path)](weights_path)
-    keys = [k for k in state if k.endswith(PROMPT_SUFFIX)]
-    if len(keys) != 1:
-        raise _not_an_adapter(adapter, f"holds no single key ending in {PROMPT_SUFFIX!r} (found {sorted(state)[:5]})")
-    prompt = state[keys[0]].float()  # [N, D]
+    config = loading.read_config(os.path.dirname(config_path))
+    if config.get("peft_type") != METHOD:
+        raise _not_an_adapter(adapter, f"is a {config.get('peft_type')!r} adapter, not {METHOD}")
+    prompt = loading.read_prompt(weights_path).float()  # [N, D]
     n = config.get("num_virtual_tokens")
     if prompt.dim() != 2 or prompt.shape[0] != n:
         raise _not_an_adapter(
@@ -195,6 +171,9 @@ def inspect_adapter(adapter: str, base: Optional[str] = None, top_k: int = 5) ->
         shape=list(prompt.shape),
         tokens=[VirtualToken(i, float(norm)) for i, norm in enumerate(prompt.norm(dim=-1))],
     )
+    bad = int((~torch.isfinite(prompt)).sum())
+    if bad:
+        report.notes.append(f"the prompt holds {bad} non-finite value(s) (NaN/inf): it can't load into a model.")
     saved_base = config.get("base_model_name_or_path")
     base = base or next(iter(_local_dirs(saved_base)), None)
     if base is None:

@@ -79,11 +79,12 @@ class SoftPromptPlusModel(BaseTuner):
     def __init__(self, model: nn.Module, peft_config, adapter_name: str = "default", **kwargs) -> None:
         if not isinstance(peft_config, dict):  # PeftModel hands {name: config}; inject_adapter_in_model a bare config
             raise ValueError(
-                "`inject_adapter_in_model` can't attach a SoftPromptPlusConfig: a soft prompt is an input, not a layer "
-                "injected into the model, and it needs the PeftModel that owns forward and generate. Use "
+                "`inject_adapter_in_model` can't attach a SoftPromptPlusConfig: a soft prompt is an input, not a "
+                "layer injected into the model, and it needs the PeftModel that owns forward and generate. Use "
                 "`peft.get_peft_model(model, config)`; the model was left untouched."
             )
         super().__init__(model, peft_config, adapter_name, **kwargs)
+
     tuner_layer_cls = SoftPromptBank
     target_module_mapping: dict = {}
 
@@ -158,8 +159,9 @@ class SoftPromptPlusModel(BaseTuner):
         limit = semantics.max_positions(getattr(model, "config", None))
         if limit is not None and config.num_virtual_tokens >= limit:
             raise ValueError(
-                f"`num_virtual_tokens`={config.num_virtual_tokens} leaves no room for text: {type(model).__name__} has "
-                f"{limit} positions. Use fewer virtual tokens (the prompt and the longest text must fit in {limit})."
+                f"`num_virtual_tokens`={config.num_virtual_tokens} leaves no room for text: {type(model).__name__} "
+                f"has {limit} positions. Use fewer virtual tokens (the prompt and the longest text must fit in "
+                f"{limit})."
             )
         _check_modules_to_save(model, config.modules_to_save)
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

@@ -105,7 +105,9 @@ def check_labels(labels, batch: int, length: int, model: nn.Module, token_labels
         _in_range("labels", labels, getattr(model.config, "num_labels", 2))
 
 
-def check_forward(model: nn.Module, input_ids, inputs_embeds, attention_mask, labels, kwargs: dict, token_labels: bool):
+def check_forward(
+    model: nn.Module, input_ids, inputs_embeds, attention_mask, labels, kwargs: dict, token_labels: bool
+):
     """Every input of a prompted forward; returns `[B, L]` as (batch, length)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError(
