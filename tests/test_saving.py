@@ -117,3 +117,29 @@ def test_low_cpu_mem_usage_load(trained, tiny_model_dir, tmp_path, is_trainable)
     assert prompt.device.type == "cpu" and prompt.dtype == torch.float32 and prompt.requires_grad == is_trainable
     ids = random_ids(1, 5)
     assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
+
+
+def test_a_killed_save_leaves_the_old_adapter_or_the_new_one(tiny_model_dir, tmp_path):
+    # A save killed before or after any of its filesystem steps, or at random instants on a slow filesystem, leaves a
+    # folder that loads as exactly the old adapter (N=4) or the new one (N=6); the next save removes the leftovers.
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(__file__), "_save_kill_worker.py")
+    out = tmp_path / "kills.json"
+    done = subprocess.run(
+        [sys.executable, worker, str(tiny_model_dir), str(tmp_path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["steps"] >= 4  # links, fsyncs, the exchange: the kill points are real
+    seen = {"old": 0, "new": 0}
+    for outcome in result["outcomes"]:
+        matches = [name for name, prompt in result["expected"].items() if outcome["prompt"] == prompt]
+        assert matches, f"kill at {outcome['kill_at']}: the folder loads as neither the old nor the new adapter"
+        seen[matches[0]] += 1
+    assert seen["old"] and seen["new"]  # kills early and late both happened
+    assert result["leftovers"] == []
