@@ -241,3 +241,28 @@ def test_sequence_classification_fixes_peft_right_padding(make_base, make_peft):
     torch.testing.assert_close(
         ours(input_ids=padded, attention_mask=mask).logits, ours(input_ids=ids).logits, atol=1e-5, rtol=1e-5
     )
+
+
+def test_labels_that_are_all_ignored_give_a_zero_loss(make_peft):
+    # Nothing to predict: a zero loss (and a zero gradient), where the base model's mean over no tokens is NaN.
+    model = make_peft(forward_path="shared_kv").train()
+    ids = random_ids(2, 5)
+    loss = model(input_ids=ids, labels=torch.full_like(ids, -100)).loss
+    assert loss.item() == 0.0
+    (grad,) = torch.autograd.grad(loss, prompt_of(model))
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_token_type_ids_type_the_text_on_the_attention_path(make_base, make_peft):
+    # GPT-2 adds wte(token_type_ids) to each text position; the prompt positions have no type.
+    model = make_peft(forward_path="shared_kv").eval()
+    ids, types = random_ids(2, 5), random_ids(2, 5, seed=7)
+    base = make_base()
+    embeds = base.get_input_embeddings()(ids) + base.get_input_embeddings()(types)  # what GPT-2 itself adds
+    with torch.no_grad():
+        typed = model(input_ids=ids, token_type_ids=types).logits
+        folded = model(inputs_embeds=embeds).logits
+    torch.testing.assert_close(typed, folded, atol=1e-5, rtol=1e-5)
+    concat = make_peft(forward_path="concat")
+    with pytest.raises(ValueError, match="`token_type_ids` needs the prompt at the attention"):
+        concat(input_ids=ids, token_type_ids=types)

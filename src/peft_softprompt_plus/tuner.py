@@ -355,6 +355,12 @@ class SoftPromptPlusModel(BaseTuner):
                 self.model, rows, riding, input_ids, inputs_embeds, attention_mask, stored
             )
         else:
+            if kw.get("token_type_ids") is not None:
+                raise ValueError(
+                    "`token_type_ids` needs the prompt at the attention (it types the text's tokens, and a prompt "
+                    "position has no type); this model runs forward_path='concat'. Fold the type embeddings into "
+                    "`inputs_embeds`, or use forward_path='auto' on a model whose attention can take the prompt."
+                )
             batch = forward_paths.build_concat(self.model, rows, input_ids, inputs_embeds, attention_mask)
         return task.run(self.model, batch, labels, kw)
 
