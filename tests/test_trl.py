@@ -217,3 +217,40 @@ def test_packing_and_padding_free_are_refused_with_a_clear_error(tmp_path, token
     )
     with pytest.raises(ValueError, match="`position_ids` can't be passed to a soft-prompted forward"):
         trainer.train()
+
+
+def test_dpo_with_its_defaults_trains_the_prompt_and_leaves_the_base_bit_identical(tmp_path, tokenizer):
+    # DPOConfig turns gradient checkpointing on by default; the reference is the same model with the adapter off.
+    from trl import DPOConfig, DPOTrainer
+
+    base = tiny_gpt2(vocab_size=len(tokenizer))
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    data = Dataset.from_dict(
+        {
+            "prompt": [p for p, _ in PAIRS],
+            "chosen": [" " + c for _, c in PAIRS],
+            "rejected": [" " + c[::-1] for _, c in PAIRS],
+        }
+    )
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=2,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        learning_rate=1e-2,
+    )
+    assert args.gradient_checkpointing  # the default this test is about
+    trainer = DPOTrainer(
+        model=base, args=args, train_dataset=data, processing_class=tokenizer, peft_config=soft_prompt_config()
+    )
+    prompt = trainer.model.base_model.prompt("default")
+    start = prompt.detach().clone()
+    grads = []
+    prompt.register_hook(lambda g: grads.append(g.norm().item()))
+    trainer.train()
+    assert grads and all(g > 0 for g in grads)  # the prompt received a gradient at each step
+    assert not torch.equal(prompt.detach(), start)
+    for name, value in base.state_dict().items():
+        assert torch.equal(value, before[name]), f"base weight {name} changed"
