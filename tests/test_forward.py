@@ -112,7 +112,7 @@ def test_no_prompt_position_runs_per_row(make_peft):
     assert sorted(seen) == [(1, width), (3, 7, width)]
 
 
-def test_a_custom_loss_function_keeps_the_prompt_position_riding(make_base, make_peft):
+def test_a_custom_loss_function_runs_the_last_prompt_position_in_the_text_pass(make_base, make_peft):
     # The once-for-all first-token term assumes ForCausalLMLoss's `sum / num_items_in_batch`. Any other loss (this
     # one always averages) gets the last prompt position with the text, so it sees every prediction, as in PEFT.
     def mean_only(logits, labels, vocab_size, **kwargs):

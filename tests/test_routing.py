@@ -73,10 +73,10 @@ def test_a_base_row_equals_the_base_model(model, make_base):
     torch.testing.assert_close(mixed[2, real], base(input_ids=ids[2:3, real]).logits[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("riding", [False, True])
-def test_loss_and_gradients_are_the_sums_over_rows(model, riding):
-    if riding:
-        # Any loss but transformers' own keeps the last prompt position riding with the text.
+@pytest.mark.parametrize("prompt_in_text", [False, True])
+def test_loss_and_gradients_are_the_sums_over_rows(model, prompt_in_text):
+    if prompt_in_text:
+        # Any loss but transformers' own runs the last prompt position in the text pass.
         model.get_base_model().loss_function = lambda *a, **k: ForCausalLMLoss(*a, **k)
     model.train()
     # Right padding: under left padding a row's first token is predicted from the pad before it, as in PEFT.

@@ -251,7 +251,7 @@ def test_logged_training_loss_is_the_prompt_tuning_loss(tmp_path, tokenizer, bas
 def test_gradient_checkpointing_keeps_the_attention_path(tmp_path, tokenizer, monkeypatch):
     data = lm_dataset(tokenizer)
     paths = []
-    for name in ("build_attention", "build_concat"):
+    for name in ("attention_inputs", "concat_inputs"):
         original = getattr(forward_paths, name)
         monkeypatch.setattr(
             forward_paths, name, lambda *a, _name=name, _fn=original, **k: paths.append(_name) or _fn(*a, **k)
@@ -261,14 +261,14 @@ def test_gradient_checkpointing_keeps_the_attention_path(tmp_path, tokenizer, mo
     plain = prompted()
     paths.clear()  # drop the attach-time gradient probe, which runs outside the Trainer
     Trainer(model=plain, args=args(tmp_path / "plain", **common), train_dataset=data).train()
-    assert paths and set(paths) == {"build_attention"}
+    assert paths and set(paths) == {"attention_inputs"}
 
     checkpointed = prompted()
     paths.clear()
     Trainer(
         model=checkpointed, args=args(tmp_path / "ckpt", activation_checkpointing=True, **common), train_dataset=data
     ).train()
-    assert paths and set(paths) == {"build_attention"}  # the prompt still enters at the attention
+    assert paths and set(paths) == {"attention_inputs"}  # the prompt still enters at the attention
     # Same data, same semantics: the two runs train the same prompt up to float rounding.
     torch.testing.assert_close(prompt_of(checkpointed), prompt_of(plain), atol=1e-5, rtol=0)
     assert not torch.equal(prompt_of(checkpointed), prompt_of(prompted()))

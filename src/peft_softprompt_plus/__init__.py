@@ -16,10 +16,10 @@ _PUBLIC = {  # name -> the module that defines it
     "AdapterFileError": "loading",
     "GradientFlowCallback": "callbacks",
     "FINDING_CODES": "gradient_checks",
-    "Finding": "gradient_checks",
-    "GradientFlowError": "gradient_flow",
-    "GradientFlowReport": "gradient_flow",
-    "GradientFlowWarning": "gradient_flow",
+    "Finding": "gradient_report",
+    "GradientFlowError": "gradient_report",
+    "GradientFlowReport": "gradient_report",
+    "GradientFlowWarning": "gradient_report",
     "check_gradient_flow": "gradient_flow",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]

@@ -8,7 +8,7 @@ from typing import Optional
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from . import gradient_flow
-from .gradient_flow import GradientFlowReport
+from .gradient_report import GradientFlowReport
 
 _ON_FAILURE = ("raise", "warn")
 

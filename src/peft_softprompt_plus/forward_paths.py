@@ -45,7 +45,7 @@ class RowPrompts:
 @dataclass
 class PromptedBatch:
     kwargs: dict  # inputs for the wrapped model / its backbone
-    riding: int  # leading prompt positions in its outputs, to strip
+    in_text: int  # leading prompt positions in its outputs, to strip
     mask: torch.Tensor  # [B, L] the text's own mask
     row_prompts: RowPrompts
     prompt_last: Optional[torch.Tensor] = None  # [A, D] each prompt's last output, when no prompt position rides
@@ -101,13 +101,13 @@ class _HandBack(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------- the prompt pass
 
 
-def prompt_pass(model: nn.Module, row_prompts: RowPrompts, riding: int) -> tuple[attention.PromptKV, torch.Tensor]:
+def prompt_pass(model: nn.Module, row_prompts: RowPrompts, in_text: int) -> tuple[attention.PromptKV, torch.Tensor]:
     """Run the shared prompt positions once, one row per prompt: `[A, M, D]`, right-padded to the longest.
 
     Under causal attention a prompt position never sees the text, so its keys/values are the same for every row that
     reads it. Returns the recorded `PromptKV` and each prompt's last output `[A, D]` (it predicts text token 0).
     """
-    shared = [p[: p.shape[0] - riding] for p in row_prompts.prompts]
+    shared = [p[: p.shape[0] - in_text] for p in row_prompts.prompts]
     width = max(p.shape[0] for p in shared)
     stack = torch.stack([nn.functional.pad(p, (0, 0, 0, width - p.shape[0])) for p in shared])  # [A, M, D]
     lengths = torch.tensor([p.shape[0] for p in shared], device=stack.device)  # [A]
@@ -133,7 +133,7 @@ def attention_supported(model: nn.Module) -> bool:
         # Training mode: an eval-mode forward makes bitsandbytes repack 4-bit CPU weights into an inference-only form.
         with torch.no_grad():
             model.train()
-            prompt_pass(model, RowPrompts([probe]), riding=0)
+            prompt_pass(model, RowPrompts([probe]), in_text=0)
     except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return False
     finally:
@@ -154,37 +154,37 @@ def _text_embeddings(model, input_ids, inputs_embeds):
     return inputs_embeds if inputs_embeds is not None else model.get_input_embeddings()(input_ids)  # [B, L, D]
 
 
-def build_attention(
+def attention_inputs(
     model: nn.Module,
     row_prompts: RowPrompts,
-    riding: int,
+    in_text: int,
     input_ids,
     inputs_embeds,
     attention_mask,
     computed: Optional[tuple[attention.PromptKV, torch.Tensor]] = None,
 ) -> PromptedBatch:
-    """The text alone, reading the prompts' keys/values at the attention; `riding` last prompt positions (0 or 1)
+    """The text alone, reading the prompts' keys/values at the attention; `in_text` last prompt positions (0 or 1)
     run with the text instead (their outputs then come from the model itself, loss included). `computed`: the
-    prompt pass's result when it is already known (stored for inference, riding 0)."""
+    prompt pass's result when it is already known (stored for inference, in_text 0)."""
     text = input_ids if input_ids is not None else inputs_embeds
     batch, length = text.shape[0], text.shape[1]
     mask = semantics.text_mask(attention_mask, batch, length, text.device)  # [B, L]
     has_prompt = row_prompts.has_prompt(batch, text.device)  # [B]
-    shared = (row_prompts.per_row(row_prompts.lengths(text.device), batch) - riding) * has_prompt  # [B]
+    shared = (row_prompts.per_row(row_prompts.lengths(text.device), batch) - in_text) * has_prompt  # [B]
     kwargs: dict = {}
     prompt_last = None
     layers = _checkpointed_layers(model) if model.training and torch.is_grad_enabled() else []
     hand_back: Optional[tuple[list, list]] = None  # (leaf copies the layers read, the prompt pass's tensors)
-    if max(p.shape[0] for p in row_prompts.prompts) > riding:
-        prompt_kv, last = computed if computed is not None else prompt_pass(model, row_prompts, riding)
+    if max(p.shape[0] for p in row_prompts.prompts) > in_text:
+        prompt_kv, last = computed if computed is not None else prompt_pass(model, row_prompts, in_text)
         if layers and any(_reentrant(layer) for layer in layers):
             connected = [t for kv in prompt_kv.layers.values() for t in kv]
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in connected]
             prompt_kv.layers = {m: (leaves[2 * i], leaves[2 * i + 1]) for i, m in enumerate(prompt_kv.layers)}
             hand_back = (leaves, connected)
         kwargs[attention.KWARG] = prompt_kv
-        prompt_last = last if riding == 0 else None
-    if riding:
+        prompt_last = last if in_text == 0 else None
+    if in_text:
         heads = torch.stack([p[-1] for p in row_prompts.prompts])  # [A, D]
         embeds = _text_embeddings(model, input_ids, inputs_embeds)
         head = row_prompts.per_row(heads.to(embeds.dtype), batch).unsqueeze(1)  # [B, 1, D]
@@ -199,12 +199,14 @@ def build_attention(
             kwargs["input_ids"] = input_ids
     if hand_back is not None:
         kwargs["inputs_embeds"] = _HandBack.apply(hand_back[0], kwargs["inputs_embeds"], *hand_back[1])
-    kwargs["attention_mask"] = text_mask if attention_mask is not None or riding else None
-    kwargs["position_ids"] = semantics.positions(text_mask, shared)  # [B, riding+L]
-    return PromptedBatch(kwargs, riding, mask, row_prompts, prompt_last)
+    kwargs["attention_mask"] = text_mask if attention_mask is not None or in_text else None
+    kwargs["position_ids"] = semantics.positions(text_mask, shared)  # [B, in_text+L]
+    return PromptedBatch(kwargs, in_text, mask, row_prompts, prompt_last)
 
 
-def build_concat(model: nn.Module, row_prompts: RowPrompts, input_ids, inputs_embeds, attention_mask) -> PromptedBatch:
+def concat_inputs(
+    model: nn.Module, row_prompts: RowPrompts, input_ids, inputs_embeds, attention_mask
+) -> PromptedBatch:
     """`[prompt; text]` through `inputs_embeds`: the textbook way, for families whose attention we can't reach."""
     (prompt,) = row_prompts.prompts
     num_prompt = prompt.shape[0]

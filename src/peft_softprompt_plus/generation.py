@@ -31,7 +31,7 @@ class PromptKVStore:
         if cached is not None and not model.training and _same(cached[0], prompt):
             return cached[1]
         with torch.no_grad():
-            computed = forward_paths.prompt_pass(model, forward_paths.RowPrompts([prompt]), riding=0)
+            computed = forward_paths.prompt_pass(model, forward_paths.RowPrompts([prompt]), in_text=0)
         if not model.training:  # dropout makes a training-mode prompt pass single-use
             self._entries[adapter] = (prompt.detach().clone(), computed)
         return computed

@@ -1,104 +1,21 @@
-"""What can keep a soft prompt from training, and how to tell: the evidence, one independent check per finding code
-(`_CHECKS`), and each code's fix (`_FIXES`). `gradient_flow` runs the model and reports."""
+"""What can keep a soft prompt from training: one independent check per finding code, with its fix (`CHECKS`).
+Each reads only the evidence (`gradient_evidence`); `gradient_flow` gathers it by running the model."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
-from peft.utils import AuxiliaryTrainingWrapper
 from torch import nn
 
 from . import tying
-from .prompt_bank import SoftPromptBank
-
-_NOT_RUN = object()  # evidence slot for "this caller never ran a loss" (the Trainer callback)
-
-
-@dataclass
-class Finding:
-    code: str  # stable, one of `FINDING_CODES`
-    message: str  # what is wrong, with the evidence
-    fix: str
-
-    def __str__(self) -> str:
-        return f"[{self.code}] {self.message}\n    Fix: {self.fix}"
-
-
-@dataclass
-class Evidence:
-    model: nn.Module
-    prompts: dict[str, torch.Tensor]
-    base: list[tuple[str, torch.Tensor]]  # every parameter that is not a soft prompt
-    allowed: set[int]  # ids of base parameters meant to train (PEFT `modules_to_save` copies)
-    grad_mode: Optional[str] = None  # the context that disabled gradients; None when they are enabled
-    loss: Any = _NOT_RUN
-    outputs_graph: Optional[bool] = None
-    grads: dict[str, Optional[torch.Tensor]] = field(default_factory=dict)  # a name absent: not measured
-    moved: dict[str, bool] = field(default_factory=dict)  # did an optimizer step change it (callback only)
-    optimizer: Any = None
-    rerun: Optional[Callable[[], float]] = None  # the loss value again, without a graph
-
-
-# ---------------------------------------------------------------------------------------------- gathering evidence
-
-
-def _banks(model: nn.Module) -> list[SoftPromptBank]:
-    return [m for m in model.modules() if isinstance(m, SoftPromptBank)]
-
-
-_NAMING = (  # how a user's `prompt=` argument becomes named tensors
-    (Mapping, lambda prompt: {str(k): v for k, v in prompt.items()}),
-    ((list, tuple), lambda prompt: {f"prompt[{i}]": v for i, v in enumerate(prompt)}),
-    (object, lambda prompt: {"prompt": prompt}),
-)
-
-
-def prompts_of(model: nn.Module, prompt=None) -> dict[str, torch.Tensor]:
-    """The tensors whose gradient is checked: `prompt` as given, else each active softprompt-plus adapter's."""
-    if prompt is not None:
-        named = next(name for kinds, name in _NAMING if isinstance(prompt, kinds))(prompt)
-        bad = {k: type(v).__name__ for k, v in named.items() if not isinstance(v, torch.Tensor)}
-        if bad or not named:
-            raise TypeError(
-                f"`prompt` must be a tensor, a list of tensors or a dict of them, got {type(prompt).__name__} "
-                f"(non-tensors: {bad}). Pass the tensor(s) your model learns."
-            )
-        return named
-    found = {n: bank.prompts[n] for bank in _banks(model) for n in bank.active_adapters if n in bank.prompts}
-    if not found:
-        raise ValueError(
-            f"`model` ({type(model).__name__}) has no active softprompt-plus prompt. Attach one with "
-            "`get_peft_model(model, SoftPromptPlusConfig(...))`, or for a custom module pass `prompt=` the tensor(s) "
-            "it learns."
-        )
-    return found
-
-
-def static_evidence(model: nn.Module, prompts: dict[str, torch.Tensor], optimizer) -> Evidence:
-    own = {id(p) for p in prompts.values()} | {id(p) for bank in _banks(model) for p in bank.parameters()}
-    allowed = {
-        id(p)
-        for m in model.modules()
-        if isinstance(m, AuxiliaryTrainingWrapper)
-        for attr in m.adapter_layer_names
-        for p in getattr(m, attr).parameters()
-    }
-    base = [(n, p) for n, p in model.named_parameters() if id(p) not in own]
-    return Evidence(model=model, prompts=prompts, base=base, allowed=allowed, optimizer=optimizer)
-
-
-# ---------------------------------------------------------------------------------------------- the checks
+from .gradient_evidence import _NOT_RUN, Evidence, has_graph
+from .gradient_report import Finding
 
 
 def _shape(t: torch.Tensor) -> str:
     return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-
-
-def has_graph(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 def _with_ties(model: nn.Module, names: list[str]) -> list[str]:
@@ -151,40 +68,11 @@ def _loss_without_graph(ev: Evidence) -> list[str]:
     ]
 
 
-def _prompt_matters(ev: Evidence) -> Optional[bool]:
-    """Whether nudging the prompts changes the loss value; None when that can't be measured."""
-    if ev.rerun is None or any(p.is_inference() for p in ev.prompts.values()):
-        return None  # inference tensors refuse the in-place nudge
-    gen, nudged = torch.Generator().manual_seed(0), []
-    try:
-        before = ev.rerun()
-        with torch.no_grad():
-            for p in ev.prompts.values():  # random, not a uniform shift: LayerNorm would erase that
-                old = p.detach().clone()
-                noise = torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype)
-                p.add_(noise * (old.float().std().nan_to_num(0.0).item() + 1e-2))
-                nudged.append((p, old))
-        return ev.rerun() != before
-    except Exception:  # evidence only: a failing rerun must not hide the finding itself
-        return None
-    finally:
-        with torch.no_grad():
-            for p, old in nudged:
-                p.copy_(old)
-
-
-_MATTERS = {
-    True: " Nudging the prompt changes the loss, so the prompt is used but the graph is cut between them "
-    "(a `.detach()`, `.data`, a `torch.no_grad()` region or a hook returning a detached tensor).",
-    False: " Nudging the prompt leaves the loss unchanged: the model never uses it (it ignores `inputs_embeds`, "
-    "or the prompt is not passed in).",
-    None: "",
-}
-
-
 _WHERE = {  # keyed on "did the model's outputs carry a graph" (None: not seen, as in the Trainer callback)
-    False: "the model's outputs carry no autograd graph at all",
-    True: "the loss has a graph, but no path in it leads to the prompt",
+    False: "the model's outputs carry no autograd graph at all: the model never uses the prompt (it ignores "
+    "`inputs_embeds`, or the prompt is not passed in), or runs it without autograd",
+    True: "the loss has a graph, but no path in it leads to the prompt: a `.detach()`, `.data`, a `torch.no_grad()` "
+    "region or a hook returning a detached tensor cuts it, or the model never uses the prompt",
     None: "its `.grad` was still None at the optimizer step",
 }
 
@@ -199,7 +87,7 @@ def _unreachable(ev: Evidence) -> list[str]:
     ]
     if not cut:
         return []
-    return [f"No gradient reaches prompt(s) {cut}: {_WHERE[ev.outputs_graph]}.{_MATTERS[_prompt_matters(ev)]}"]
+    return [f"No gradient reaches prompt(s) {cut}: {_WHERE[ev.outputs_graph]}."]
 
 
 def _zero_gradient(ev: Evidence) -> list[str]:
@@ -292,49 +180,89 @@ def _prompt_unchanged(ev: Evidence) -> list[str]:
     return out
 
 
-_CHECKS: dict[str, Callable[[Evidence], list[str]]] = {
-    "grad_disabled": _grad_disabled,
-    "prompt_frozen": _prompt_frozen,
-    "non_leaf_prompt": _non_leaf_prompt,
-    "loss_without_graph": _loss_without_graph,
-    "unreachable": _unreachable,
-    "zero_gradient": _zero_gradient,
-    "nonfinite_gradient": _nonfinite_gradient,
-    "not_in_optimizer": _not_in_optimizer,
-    "aliases_base_weights": _aliases_base_weights,
-    "low_precision_prompt": _low_precision_prompt,
-    "base_trainable": _base_trainable,
-    "prompt_unchanged": _prompt_unchanged,
-}
+@dataclass(frozen=True)
+class Check:
+    code: str  # stable: reports, warnings and docs name it
+    find: Callable[[Evidence], list[str]]  # one message per instance found, from the evidence alone
+    fix: str
 
-_FIXES: dict[str, str] = {
-    "grad_disabled": "Run the training forward outside torch.no_grad()/torch.inference_mode() and never through "
-    "`generate()`; call model.eval() for inference instead.",
-    "prompt_frozen": "Call `model.set_adapter(name)` (it makes the active prompt trainable) or "
-    "`prompt.requires_grad_(True)`; for PeftModel.from_pretrained pass `is_trainable=True`.",
-    "non_leaf_prompt": "Move or cast the tensor before wrapping it: `nn.Parameter(x.to(device))`, or register the "
-    "Parameter in a module and move the module (`module.to(device)`).",
-    "loss_without_graph": "Return the loss tensor itself: no `.item()`, `float()`, `.numpy()` or `.detach()` on the "
-    "loss or the logits it is computed from (log `loss.item()` separately).",
-    "unreachable": "Feed the prompt in as `inputs_embeds` (or through the cache) of a forward that uses it; remove "
-    "`.detach()`, `.data`, `torch.no_grad()` or detaching hooks on the path. See docs/gradient-flow.md.",
-    "zero_gradient": "Check that the prompt positions are not masked out and not multiplied by zero, and that the "
-    "loss depends on positions after the prompt (labels not all -100).",
-    "nonfinite_gradient": "Re-initialise the prompt (NaN/inf values), lower the learning rate, and keep the prompt "
-    "float32 with a GradScaler under fp16.",
-    "not_in_optimizer": "Build the optimizer after attaching the adapter, from `model.parameters()` or "
-    "`[p for p in model.parameters() if p.requires_grad]`.",
-    "aliases_base_weights": "Copy the values: `nn.Parameter(wte.weight[:N].detach().clone())`.",
-    "low_precision_prompt": "Keep the prompt float32 (`prompt.data = prompt.data.float()`) and cast it to the "
-    "model's dtype only where it is used.",
-    "base_trainable": "Freeze the base (`model.base_model.model.requires_grad_(False)`); for more capacity raise "
-    "`num_virtual_tokens` rather than training the tied wte/lm_head pair.",
-    "prompt_unchanged": "Use a learning rate > 0 and check that `optimizer.step()` runs on this optimizer.",
-}
 
-FINDING_CODES: tuple[str, ...] = tuple(_CHECKS)
+CHECKS: tuple[Check, ...] = (
+    Check(
+        "grad_disabled",
+        _grad_disabled,
+        "Run the training forward outside torch.no_grad()/torch.inference_mode() and never through "
+        "`generate()`; call model.eval() for inference instead.",
+    ),
+    Check(
+        "prompt_frozen",
+        _prompt_frozen,
+        "Call `model.set_adapter(name)` (it makes the active prompt trainable) or "
+        "`prompt.requires_grad_(True)`; for PeftModel.from_pretrained pass `is_trainable=True`.",
+    ),
+    Check(
+        "non_leaf_prompt",
+        _non_leaf_prompt,
+        "Move or cast the tensor before wrapping it: `nn.Parameter(x.to(device))`, or register the "
+        "Parameter in a module and move the module (`module.to(device)`).",
+    ),
+    Check(
+        "loss_without_graph",
+        _loss_without_graph,
+        "Return the loss tensor itself: no `.item()`, `float()`, `.numpy()` or `.detach()` on the "
+        "loss or the logits it is computed from (log `loss.item()` separately).",
+    ),
+    Check(
+        "unreachable",
+        _unreachable,
+        "Feed the prompt in as `inputs_embeds` (or through the cache) of a forward that uses it; remove "
+        "`.detach()`, `.data`, `torch.no_grad()` or detaching hooks on the path. See docs/gradient-flow.md.",
+    ),
+    Check(
+        "zero_gradient",
+        _zero_gradient,
+        "Check that the prompt positions are not masked out and not multiplied by zero, and that the "
+        "loss depends on positions after the prompt (labels not all -100).",
+    ),
+    Check(
+        "nonfinite_gradient",
+        _nonfinite_gradient,
+        "Re-initialise the prompt (NaN/inf values), lower the learning rate, and keep the prompt "
+        "float32 with a GradScaler under fp16.",
+    ),
+    Check(
+        "not_in_optimizer",
+        _not_in_optimizer,
+        "Build the optimizer after attaching the adapter, from `model.parameters()` or "
+        "`[p for p in model.parameters() if p.requires_grad]`.",
+    ),
+    Check(
+        "aliases_base_weights",
+        _aliases_base_weights,
+        "Copy the values: `nn.Parameter(wte.weight[:N].detach().clone())`.",
+    ),
+    Check(
+        "low_precision_prompt",
+        _low_precision_prompt,
+        "Keep the prompt float32 (`prompt.data = prompt.data.float()`) and cast it to the "
+        "model's dtype only where it is used.",
+    ),
+    Check(
+        "base_trainable",
+        _base_trainable,
+        "Freeze the base (`model.base_model.model.requires_grad_(False)`); for more capacity raise "
+        "`num_virtual_tokens` rather than training the tied wte/lm_head pair.",
+    ),
+    Check(
+        "prompt_unchanged",
+        _prompt_unchanged,
+        "Use a learning rate > 0 and check that `optimizer.step()` runs on this optimizer.",
+    ),
+)
+
+FINDING_CODES: tuple[str, ...] = tuple(c.code for c in CHECKS)
 
 
 def run_checks(ev: Evidence) -> list[Finding]:
     """Every check's findings, each with its code's fix."""
-    return [Finding(code, msg, _FIXES[code]) for code, check in _CHECKS.items() for msg in check(ev)]
+    return [Finding(check.code, message, check.fix) for check in CHECKS for message in check.find(ev)]

@@ -1,5 +1,6 @@
-"""Gradient reachability, run and reported: one engine for the attach-time probe, `check_gradient_flow` in custom
-loops and `GradientFlowCallback` in `Trainer`; what it checks for lives in `gradient_checks`."""
+"""Gradient reachability, run: one engine for the attach-time probe, `check_gradient_flow` in custom loops and
+`GradientFlowCallback` in `Trainer`. What it checks for lives in `gradient_checks`, what it reports in
+`gradient_report`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import peft
@@ -17,56 +17,10 @@ import torch
 import transformers
 from torch import nn
 
-from .gradient_checks import (
-    FINDING_CODES,  # noqa: F401 (re-exported: callers import it from here)
-    Evidence,
-    Finding,
-    has_graph,
-    prompts_of,
-    run_checks,
-    static_evidence,
-)
+from .gradient_checks import run_checks
+from .gradient_evidence import Evidence, has_graph, prompts_of, static_evidence, tuners_of
+from .gradient_report import GradientFlowError, GradientFlowReport, GradientFlowWarning
 from .tasks import task_of
-
-
-class GradientFlowError(RuntimeError):
-    """Raised when the prompt cannot receive gradients; `.findings` lists each cause with its fix."""
-
-    def __init__(self, findings: list[Finding]):
-        self.findings = findings
-        super().__init__("The soft prompt can't train as set up:\n" + "\n".join(map(str, findings)))
-
-    def __reduce__(self):  # pickles with its findings (e.g. raised in a DDP worker), not with the joined message
-        return type(self), (self.findings,)
-
-
-class GradientFlowWarning(UserWarning):
-    """A gradient-flow finding reported as a warning (`validate_gradients='warn'`, grad disabled in training)."""
-
-
-@dataclass
-class GradientFlowReport:
-    """What one gradient-flow check found; `ok` when nothing. `grad_norms` holds each prompt's gradient L2 norm."""
-
-    findings: list[Finding]
-    grad_norms: dict[str, Optional[float]] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return not self.findings
-
-    @property
-    def codes(self) -> list[str]:
-        return [f.code for f in self.findings]
-
-    def raise_if_failed(self) -> None:
-        if self.findings:
-            raise GradientFlowError(self.findings)
-
-    def __str__(self) -> str:
-        norms = ", ".join(f"{n}: {'none' if g is None else f'{g:.3g}'}" for n, g in self.grad_norms.items())
-        head = f"gradient flow: {'OK' if self.ok else f'{len(self.findings)} problem(s)'} (grad norms: {norms or '-'})"
-        return "\n".join([head, *map(str, self.findings)])
 
 
 def _report(ev: Evidence) -> GradientFlowReport:
@@ -144,7 +98,6 @@ def _measure(model, batch, prompts, loss_fn, optimizer, ours: bool) -> Evidence:
     ev.grad_mode = _grad_mode()
     outputs = _run(model, batch, ours)
     ev.loss, ev.outputs_graph = _loss(outputs, batch, loss_fn), _any_graph(outputs)
-    ev.rerun = lambda: _value(model, batch, loss_fn, ours)
     wanted = {n: p for n, p in prompts.items() if p.requires_grad}
     if ev.grad_mode is None and wanted:
         grads = _gradients(ev.loss, list(wanted.values()), model) if has_graph(ev.loss) else [None] * len(wanted)
@@ -178,26 +131,15 @@ def _gradients(loss: torch.Tensor, tensors: list[torch.Tensor], model: nn.Module
             t.grad = grad
 
 
-def _value(model, batch, loss_fn, ours: bool) -> float:
-    with torch.random.fork_rng(devices=_cuda_devices(model)), torch.no_grad():  # same dropout masks every rerun
-        return float(_loss(_run(model, batch, ours), batch, loss_fn))
-
-
 def _cuda_devices(model: nn.Module) -> list[int]:
     return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-
-
-def _tuners(model: nn.Module) -> list[nn.Module]:
-    from .tuner import SoftPromptPlusModel  # the tuner imports this module
-
-    return [m for m in model.modules() if isinstance(m, SoftPromptPlusModel)]
 
 
 @contextlib.contextmanager
 def _undisturbed(model: nn.Module, grad_context):
     """Train mode for the path training uses; afterwards RNG, every module's mode and the warn-once flag as found."""
     modes = [(m, m.training) for m in model.modules()]
-    warned = [(t, getattr(t, "_warned_grad_disabled", False)) for t in _tuners(model)]
+    warned = [(t, getattr(t, "_warned_grad_disabled", False)) for t in tuners_of(model)]
     with torch.random.fork_rng(devices=_cuda_devices(model)), grad_context:
         for tuner, _ in warned:
             tuner._warned_grad_disabled = True  # the report names `grad_disabled`; keep the one warning for later
@@ -252,7 +194,7 @@ def check_gradient_flow(
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable as `loss_fn(outputs, batch)`, got {type(loss_fn).__name__}.")
     prompts = prompts_of(model, prompt)
-    tuners = _tuners(model)
+    tuners = tuners_of(model)
     ours = bool(tuners) and prompt is None
     if batch is None and not ours:
         raise ValueError("`batch` is required for a model without a softprompt-plus adapter; pass one training batch.")

@@ -20,7 +20,9 @@ class Route:
     rows: Optional[torch.Tensor] = None  # [B]
 
 
-def route(adapter_names: Optional[Sequence[str]], active: Optional[str], batch: int, known: Sequence[str]) -> Route:
+def route_rows(
+    adapter_names: Optional[Sequence[str]], active: Optional[str], batch: int, known: Sequence[str]
+) -> Route:
     """The route for `adapter_names` (None: every row reads `active`, which may itself be None)."""
     if adapter_names is None:
         return Route(() if active is None else (active,))

@@ -37,19 +37,19 @@ def _count_every_label(model: nn.Module) -> None:
         model.loss_type = PROMPTED_CAUSAL_LM_LOSS
 
 
-def _strip(output, riding: int, length: int):
-    """Drop the riding prompt positions so per-position outputs have the base model's `[B, L, ...]` shape."""
-    if riding == 0:
+def _strip(output, in_text: int, length: int):
+    """Drop the prompt positions that ran in the text pass, so per-position outputs are base-shaped `[B, L, ...]`."""
+    if in_text == 0:
         return output
     logits = getattr(output, "logits", None)
-    if logits is not None and logits.dim() == 3 and logits.shape[1] == riding + length:
-        output.logits = logits[:, riding:]  # [B, L, V]
+    if logits is not None and logits.dim() == 3 and logits.shape[1] == in_text + length:
+        output.logits = logits[:, in_text:]  # [B, L, V]
     hidden = getattr(output, "hidden_states", None)
     if hidden is not None:
-        output.hidden_states = tuple(h[:, riding:] for h in hidden)  # each [B, L, D]
+        output.hidden_states = tuple(h[:, in_text:] for h in hidden)  # each [B, L, D]
     attentions = getattr(output, "attentions", None)
     if attentions is not None:
-        output.attentions = tuple(a[:, :, riding:] for a in attentions)  # each [B, H, L, N+L]
+        output.attentions = tuple(a[:, :, in_text:] for a in attentions)  # each [B, H, L, N+L]
     return output
 
 
@@ -61,7 +61,7 @@ _PLAIN_KWARGS = frozenset(
 _SUM_OVER_ITEMS_LOSSES = (ForCausalLMLoss, _prompted_causal_lm_loss)
 
 
-def _causal_lm_riding(model: nn.Module, labels: Optional[torch.Tensor], kwargs: dict) -> int:
+def _causal_lm_prompt_in_text(model: nn.Module, labels: Optional[torch.Tensor], kwargs: dict) -> int:
     """0 when the shared pass can also predict text token 0 (its logits are the same for every row), else 1."""
     if not kwargs.keys() <= _PLAIN_KWARGS:
         return 1
@@ -88,13 +88,13 @@ def _first_of_unprompted(batch: PromptedBatch, labels: torch.Tensor) -> torch.Te
 
 def _causal_lm(model: nn.Module, batch: PromptedBatch, labels: Optional[torch.Tensor], kwargs: dict):
     # The wrapped model computes the text's loss itself, so `num_items_in_batch` and wrappers such as TRL's fused
-    # head see the labels. Text token 0 is predicted by the last prompt position: riding with the text, or from the
+    # head see the labels. Text token 0 is predicted by the last prompt position: running in the text pass, or from the
     # prompt pass's output, once per prompt.
     if batch.prompt_last is None or labels is None:
-        if labels is not None and batch.riding:  # a row without a prompt has nothing to predict its token 0
+        if labels is not None and batch.in_text:  # a row without a prompt has nothing to predict its token 0
             labels = labels.masked_fill(_first_of_unprompted(batch, labels), IGNORE_INDEX)
-        output = model(**batch.kwargs, labels=semantics.prefixed_labels(labels, batch.riding), **kwargs)
-        return _strip(output, batch.riding, batch.mask.shape[1])
+        output = model(**batch.kwargs, labels=semantics.prefixed_labels(labels, batch.in_text), **kwargs)
+        return _strip(output, batch.in_text, batch.mask.shape[1])
     kwargs = dict(kwargs)
     total = kwargs.pop("num_items_in_batch", None)
     if total is None:
@@ -108,7 +108,7 @@ def _sequence_classification(model: nn.Module, batch: PromptedBatch, labels: Opt
     # Pool at each row's last real token from the mask: GPT-2 itself pools index -1 when it only sees embeddings.
     kwargs = {k: v for k, v in kwargs.items() if k not in ("num_items_in_batch", "return_dict")}
     out = model.base_model(**batch.kwargs, **kwargs)
-    hidden = out.last_hidden_state[:, batch.riding :]  # [B, L, D]
+    hidden = out.last_hidden_state[:, batch.in_text :]  # [B, L, D]
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     pooled = hidden[rows, semantics.last_real_index(batch.mask).to(hidden.device)]  # [B, D]
     names = batch.row_prompts.names
@@ -123,7 +123,7 @@ def _sequence_classification(model: nn.Module, batch: PromptedBatch, labels: Opt
         hidden_states=getattr(out, "hidden_states", None),
         attentions=getattr(out, "attentions", None),
     )
-    return _strip(output, batch.riding, batch.mask.shape[1])
+    return _strip(output, batch.in_text, batch.mask.shape[1])
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class Task:
     """Everything that differs between task types; adding a task type means adding one record to `TASKS`."""
 
     run: Callable  # (model, PromptedBatch, labels, forward kwargs) -> outputs shaped like the base model's
-    riding: Callable[[nn.Module, Optional[torch.Tensor], dict], int]  # prompt positions run with the text (0 or 1)
+    prompt_in_text: Callable[[nn.Module, Optional[torch.Tensor], dict], int]  # prompt positions run in the text pass
     head: str  # the attribute the wrapped model must have
     auto_class: str  # the transformers Auto class that loads such a base (model card, tiny models, errors)
     token_labels: bool  # labels per token `[B, L]` (the probe labels its token) or per row `[B]`
@@ -141,7 +141,7 @@ class Task:
 TASKS: dict[str, Task] = {
     "CAUSAL_LM": Task(
         run=_causal_lm,
-        riding=_causal_lm_riding,
+        prompt_in_text=_causal_lm_prompt_in_text,
         head="lm_head",
         auto_class="AutoModelForCausalLM",
         token_labels=True,
@@ -149,7 +149,7 @@ TASKS: dict[str, Task] = {
     ),
     "SEQ_CLS": Task(
         run=_sequence_classification,
-        riding=lambda model, labels, kwargs: 0,
+        prompt_in_text=lambda model, labels, kwargs: 0,
         head="score",
         auto_class="AutoModelForSequenceClassification",
         token_labels=False,

@@ -6,7 +6,6 @@ PEFT calls into it as it would into LoRA; the prompt itself lives in a `SoftProm
 from __future__ import annotations
 
 import contextlib
-import difflib
 from typing import Optional
 
 import torch
@@ -21,54 +20,16 @@ from . import (
     generation,
     gradient_flow,
     loading,
-    routing,
+    precision,
+    prompted,
     saving,
-    semantics,
     tying,
     validation,
 )
 from ._names import BANK, PREFIX, SAVED_KEY
-from .config import ForwardPath, SoftPromptPlusConfig
 from .prompt_bank import SoftPromptBank
 from .prompt_init import initial_prompt
-from .tasks import Task, task_name, task_of
-
-
-def _checkpointing(model: nn.Module) -> bool:
-    # transformers 5 renamed the flag; the old name still works but warns.
-    flag = getattr(type(model), "is_activation_checkpointing", None)
-    name = "is_activation_checkpointing" if flag is not None else "is_gradient_checkpointing"
-    return bool(getattr(model, name, False))
-
-
-def _input_to_own_dtype(module: nn.Module, args: tuple) -> tuple:
-    dtype = next(module.parameters()).dtype  # read per call: `.half()` after attach lowers the module again
-    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-
-
-def _lift_to_float32(module: nn.Module) -> None:
-    """Float32 weights for a trainable copy fed by a low-precision base; it casts its own input. Idempotent."""
-    for param in module.parameters():
-        if param.dtype in (torch.float16, torch.bfloat16):
-            param.data = param.data.float()
-    if not getattr(module, "_softprompt_plus_casts_input", False):
-        module.register_forward_pre_hook(_input_to_own_dtype)
-        module._softprompt_plus_casts_input = True
-
-
-_SEQ_CLS_HEADS = {"classifier", "score"}  # PeftModelForSequenceClassification adds both, whichever the model has
-
-
-def _check_modules_to_save(model: nn.Module, wanted) -> None:
-    """Each name must match a module as PEFT matches them (the full name or its last parts)."""
-    names = [n for n, _ in model.named_modules() if n]
-    for entry in set(wanted or ()) - _SEQ_CLS_HEADS:
-        if not any(n == entry or n.endswith("." + entry) for n in names):
-            close = difflib.get_close_matches(entry, sorted({n.rsplit(".", 1)[-1] for n in names} | set(names)), n=3)
-            raise ValueError(
-                f"`modules_to_save` names {entry!r}, which matches no module of {type(model).__name__}"
-                f"{f'; did you mean {close}?' if close else '.'} List module names from `model.named_modules()`."
-            )
+from .tasks import task_of
 
 
 class SoftPromptPlusModel(BaseTuner):
@@ -100,7 +61,7 @@ class SoftPromptPlusModel(BaseTuner):
     ) -> None:
         config = self.peft_config[adapter_name]
         task = task_of(config.task_type)
-        self._check_model(model, config, task)
+        validation.check_attach(model, config, task)
         tying.refuse_tied_training(model, config.modules_to_save)
         if BANK not in self._modules:
             # Recorded once, so `unload()` can hand back the base model exactly as it came.
@@ -154,28 +115,6 @@ class SoftPromptPlusModel(BaseTuner):
         self._roll_back(self.model, adapter_name)
         self.peft_config.pop(adapter_name, None)
 
-    @staticmethod
-    def _check_model(model: nn.Module, config: SoftPromptPlusConfig, task) -> None:
-        limit = semantics.max_positions(getattr(model, "config", None))
-        if limit is not None and config.num_virtual_tokens >= limit:
-            raise ValueError(
-                f"`num_virtual_tokens`={config.num_virtual_tokens} leaves no room for text: {type(model).__name__} "
-                f"has {limit} positions. Use fewer virtual tokens (the prompt and the longest text must fit in "
-                f"{limit})."
-            )
-        _check_modules_to_save(model, config.modules_to_save)
-        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if not isinstance(embedding, nn.Embedding):
-            raise ValueError(
-                f"SoftPromptPlusConfig needs a model whose `get_input_embeddings()` is an nn.Embedding, got "
-                f"{type(model).__name__} with {type(embedding).__name__}. Use a GPT-2-style transformers model."
-            )
-        if not hasattr(model, task.head):
-            raise ValueError(
-                f"`task_type`={task_name(config.task_type)!r} needs a model with `.{task.head}`, got "
-                f"{type(model).__name__}. Load the base with {task.auto_class}."
-            )
-
     def _create_and_replace(self, *args, **kwargs):  # BaseTuner's abstract hook; nothing is replaced
         raise NotImplementedError("SoftPromptPlusModel injects no layers into the base model.")
 
@@ -205,7 +144,7 @@ class SoftPromptPlusModel(BaseTuner):
         if autocast_adapter_dtype:
             for wrapper in self.model.modules():
                 if isinstance(wrapper, ModulesToSaveWrapper) and adapter_name in wrapper.modules_to_save:
-                    _lift_to_float32(wrapper.modules_to_save[adapter_name])
+                    precision.lift_to_float32(wrapper.modules_to_save[adapter_name])
         self._validate_pending()
 
     # ------------------------------------------------------------------ adapters
@@ -278,20 +217,6 @@ class SoftPromptPlusModel(BaseTuner):
         weight = self.model.get_input_embeddings().weight
         return self.prompt_bank.prompts[adapter_name].to(device=weight.device, dtype=weight.dtype)  # [N, D]
 
-    def _uses_attention(self, route: routing.Route) -> bool:
-        """The attention path unless a config asks for concatenation or the family can't take the prompt there."""
-        paths = {self.peft_config[a].forward_path for a in route.adapters}
-        if ForwardPath.SHARED_KV.value in paths and not self._attention_path:
-            raise ValueError(
-                f"`forward_path='shared_kv'` needs a model whose attention runs through transformers' attention "
-                f"registry; {type(self.model).__name__} computes its own. Use `forward_path='auto'` or 'concat'."
-            )
-        concat = ForwardPath.CONCAT.value in paths or not self._attention_path
-        routing.check_routable(route, concat)
-        if not concat and not attention.is_installed(self.model.config):  # `set_attn_implementation` since attach
-            self._own_attention = attention.install(self.model)
-        return not concat
-
     @contextlib.contextmanager
     def _enable_peft_forward_hooks(self, *args, **kwargs):
         # PeftModel hands `adapter_names` to this hook and strips it from what reaches `forward`/`generate`.
@@ -301,82 +226,11 @@ class SoftPromptPlusModel(BaseTuner):
         finally:
             self._adapter_names = previous
 
-    def _route(self, adapter_names, text) -> routing.Route:
-        names = adapter_names if adapter_names is not None else getattr(self, "_adapter_names", None)
-        if names is not None and self.prompt_bank.disable_adapters:
-            raise ValueError(
-                f"`adapter_names`={names!r} was passed while the adapters are disabled (`disable_adapter()`). Leave "
-                "the context to route rows to prompts, or use '__base__' rows for the base model."
-            )
-        batch = text.shape[0] if isinstance(text, torch.Tensor) and text.dim() else 0
-        return routing.route(names, None if names is not None else self._active(), batch, list(self.peft_config))
-
-    def _task_of(self, adapters) -> Task:
-        tasks = {task_name(self.peft_config[a].task_type) for a in adapters}
-        if len(tasks) > 1:
-            raise ValueError(
-                f"`adapter_names` routes one batch to adapters of different task types {sorted(tasks)}; a batch runs "
-                "one head. Route each task type in its own batch."
-            )
-        return task_of(tasks.pop())
-
-    def _names_for_heads(self, adapter_names) -> list[str]:
-        """Per-row names for the SEQ_CLS head's copies; other `modules_to_save` copies can't follow a mixed batch."""
-        names = list(adapter_names if adapter_names is not None else self._adapter_names)
-        head = getattr(self.model, "score", None)
-        others = [n for n, m in self.model.named_modules() if isinstance(m, ModulesToSaveWrapper) and m is not head]
-        if others:
-            raise ValueError(
-                f"`adapter_names` mixes adapters in one batch, but `modules_to_save` copies {others} run inside the "
-                "model, where prompts and rows share a batch. Route each adapter in its own batch."
-            )
-        return names
-
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, adapter_names=None, **kw):
-        text = input_ids if input_ids is not None else inputs_embeds
-        route = self._route(adapter_names, text)
-        if not route.adapters:
-            return self.model(
-                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, labels=labels, **kw
-            )
-        task = self._task_of(route.adapters)
-        validation.check_forward(self.model, input_ids, inputs_embeds, attention_mask, labels, kw, task.token_labels)
-        if self.training and not torch.is_grad_enabled():
-            gradient_flow.warn_grad_disabled_once(self)
-        names = None if route.rows is None else self._names_for_heads(adapter_names)
-        rows = forward_paths.RowPrompts([self.prompt_for_use(a) for a in route.adapters], route.rows, names)
-        longest = max(p.shape[0] for p in rows.prompts)
-        semantics.check_fits(longest, text.shape[1], semantics.max_positions(self.model.config))
-        if self._uses_attention(route):
-            riding = task.riding(self.model, labels, kw)
-            # Inference reuses each adapter's stored prompt pass, as generate does: serving pays for the text alone.
-            stored = None if riding or self.model.training or torch.is_grad_enabled() else self._stored(route, rows)
-            batch = forward_paths.build_attention(
-                self.model, rows, riding, input_ids, inputs_embeds, attention_mask, stored
-            )
-        else:
-            if kw.get("token_type_ids") is not None:
-                raise ValueError(
-                    "`token_type_ids` needs the prompt at the attention (it types the text's tokens, and a prompt "
-                    "position has no type); this model runs forward_path='concat'. Fold the type embeddings into "
-                    "`inputs_embeds`, or use forward_path='auto' on a model whose attention can take the prompt."
-                )
-            batch = forward_paths.build_concat(self.model, rows, input_ids, inputs_embeds, attention_mask)
-        return task.run(self.model, batch, labels, kw)
+        return prompted.forward(self, input_ids, attention_mask, inputs_embeds, labels, adapter_names, kw)
 
     def generate(self, *args, adapter_names=None, **kwargs):
-        route = self._route(adapter_names, args[0] if args else kwargs.get("input_ids"))
-        if not route.adapters:
-            return self.model.generate(*args, **kwargs)
-        self._task_of(route.adapters)
-        if not self._uses_attention(route):
-            return generation.generate_concat(self.model, self.prompt_for_use(route.adapters[0]), args, kwargs)
-        prompts = [self.prompt_for_use(a) for a in route.adapters]
-        prompt_kv, _ = self._stored(route, forward_paths.RowPrompts(prompts, route.rows))
-        return generation.generate(self.model, prompt_kv, args, kwargs)
-
-    def _stored(self, route: routing.Route, rows: forward_paths.RowPrompts):
-        return self._kv_store.stacked(route.adapters, self.model, rows.prompts, route.rows)
+        return prompted.generate(self, args, adapter_names, kwargs)
 
     # ------------------------------------------------------------------ (de)serialization hooks
 

@@ -3,12 +3,14 @@ that names the argument, the value it got, and the fix. Checks are independent; 
 
 from __future__ import annotations
 
+import difflib
 from typing import Optional
 
 import torch
 from torch import nn
 
 from . import semantics
+from .tasks import task_name
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -159,4 +161,42 @@ def check_generate_fits(model: nn.Module, num_prompt: int, length: int, kwargs: 
             f"`generate` would need {total} positions: the prompt (num_virtual_tokens N={num_prompt}) + the input "
             f"(L={length}) + the new tokens ({total - num_prompt - length}), but the model has {limit}. Lower "
             f"`max_new_tokens` to at most {max(limit - num_prompt - length, 0)} or shorten the input."
+        )
+
+
+_SEQ_CLS_HEADS = {"classifier", "score"}  # PeftModelForSequenceClassification adds both, whichever the model has
+
+
+def _check_modules_to_save(model: nn.Module, wanted) -> None:
+    """Each name must match a module as PEFT matches them (the full name or its last parts)."""
+    names = [n for n, _ in model.named_modules() if n]
+    for entry in set(wanted or ()) - _SEQ_CLS_HEADS:
+        if not any(n == entry or n.endswith("." + entry) for n in names):
+            close = difflib.get_close_matches(entry, sorted({n.rsplit(".", 1)[-1] for n in names} | set(names)), n=3)
+            raise ValueError(
+                f"`modules_to_save` names {entry!r}, which matches no module of {type(model).__name__}"
+                f"{f'; did you mean {close}?' if close else '.'} List module names from `model.named_modules()`."
+            )
+
+
+def check_attach(model: nn.Module, config, task) -> None:
+    """The model and config of an attach, checked before anything is allocated."""
+    limit = semantics.max_positions(getattr(model, "config", None))
+    if limit is not None and config.num_virtual_tokens >= limit:
+        raise ValueError(
+            f"`num_virtual_tokens`={config.num_virtual_tokens} leaves no room for text: {type(model).__name__} "
+            f"has {limit} positions. Use fewer virtual tokens (the prompt and the longest text must fit in "
+            f"{limit})."
+        )
+    _check_modules_to_save(model, config.modules_to_save)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embedding, nn.Embedding):
+        raise ValueError(
+            f"SoftPromptPlusConfig needs a model whose `get_input_embeddings()` is an nn.Embedding, got "
+            f"{type(model).__name__} with {type(embedding).__name__}. Use a GPT-2-style transformers model."
+        )
+    if not hasattr(model, task.head):
+        raise ValueError(
+            f"`task_type`={task_name(config.task_type)!r} needs a model with `.{task.head}`, got "
+            f"{type(model).__name__}. Load the base with {task.auto_class}."
         )
