@@ -63,3 +63,14 @@ def random_ids(batch: int, length: int, vocab: int = 300, seed: int = 0) -> torc
     """Token ids that avoid the special ids 0 (end-of-text) and 1 (pad)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab, (batch, length), generator=g)
+
+
+def prompt_tuning_reference(base, prompt: torch.Tensor, task: str = "CAUSAL_LM"):
+    """The oracle most tests compare against: PEFT PROMPT_TUNING on `base` holding exactly `prompt`'s `[N, D]` values
+    (float32, no dropout), in eval mode. Its logits are `[B, N+L, V]`: position N-1+i predicts text token i."""
+    from peft import PromptTuningConfig
+
+    ref = get_peft_model(base, PromptTuningConfig(task_type=task, num_virtual_tokens=prompt.shape[0]))
+    with torch.no_grad():
+        ref.prompt_encoder["default"].embedding.weight.copy_(prompt)
+    return ref.eval()

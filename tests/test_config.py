@@ -12,9 +12,9 @@ from peft_softprompt_plus import SoftPromptPlusConfig
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"num_virtual_tokens": 0}, r"`num_virtual_tokens` must be >= 1, got 0"),
-        ({"num_virtual_tokens": 2.5}, r"`num_virtual_tokens` must be a positive int, got 2.5"),
-        ({"num_virtual_tokens": True}, r"`num_virtual_tokens` must be a positive int, got True"),
+        ({"num_virtual_tokens": 0}, r"`num_virtual_tokens` must be a positive int \(>= 1\), got 0"),
+        ({"num_virtual_tokens": 2.5}, r"`num_virtual_tokens` must be a positive int \(>= 1\), got 2.5"),
+        ({"num_virtual_tokens": True}, r"`num_virtual_tokens` must be a positive int \(>= 1\), got True \(bool\)"),
         ({"prompt_init": "zeros"}, r"`prompt_init` must be one of \['random', 'vocab', 'text'\], got 'zeros'"),
         ({"validate_gradients": "maybe"}, r"`validate_gradients` must be one of .*got 'maybe'"),
         ({"forward_path": "fast"}, r"`forward_path` must be one of .*got 'fast'"),
@@ -29,6 +29,29 @@ from peft_softprompt_plus import SoftPromptPlusConfig
 def test_bad_values_name_field_and_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SoftPromptPlusConfig(**kwargs)
+
+
+def test_every_bad_field_is_reported_at_once():
+    # Independent checks: one bad field never hides another's message.
+    with pytest.raises(ValueError) as err:
+        SoftPromptPlusConfig(num_virtual_tokens=0, forward_path="fast", init_seed="x", prompt_init_text="hi")
+    message = str(err.value)
+    assert message.startswith("SoftPromptPlusConfig has 4 problems")
+    for field in ("`num_virtual_tokens`", "`forward_path`", "`init_seed`", "`prompt_init_text`"):
+        assert field in message
+
+
+def test_options_are_enums_that_serialise_as_strings(tmp_path):
+    import json
+
+    from peft_softprompt_plus.config import ForwardPath, PromptInit
+
+    config = SoftPromptPlusConfig(prompt_init="vocab", forward_path=ForwardPath.CONCAT)
+    assert config.prompt_init is PromptInit.VOCAB and config.forward_path is ForwardPath.CONCAT
+    assert config.prompt_init == "vocab" and f"{config.forward_path}" == "concat"
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["prompt_init"] == "vocab" and saved["forward_path"] == "concat"
 
 
 def test_every_field_has_help():

@@ -4,8 +4,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import random_ids
-from peft import PromptTuningConfig, get_peft_model
+from conftest import prompt_tuning_reference, random_ids
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 N = 5
@@ -17,10 +16,7 @@ def prompt_of(model):
 
 def peft_reference(make_base, ours, task="CAUSAL_LM"):
     """PEFT PROMPT_TUNING on an identical base, holding the same prompt values (fp32, dropout 0)."""
-    ref = get_peft_model(make_base(task=task), PromptTuningConfig(task_type=task, num_virtual_tokens=N))
-    with torch.no_grad():
-        ref.prompt_encoder["default"].embedding.weight.copy_(prompt_of(ours))
-    return ref
+    return prompt_tuning_reference(make_base(task=task), prompt_of(ours), task)
 
 
 def rel(a, b):
@@ -121,9 +117,7 @@ def test_a_custom_loss_function_runs_the_last_prompt_position_in_the_text_pass(m
     base, ref_base = make_base(), make_base()
     base.loss_function = ref_base.loss_function = mean_only
     ours = make_peft(base=base, num_virtual_tokens=N, forward_path="shared_kv")
-    ref = get_peft_model(ref_base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=N))
-    with torch.no_grad():
-        ref.prompt_encoder["default"].embedding.weight.copy_(prompt_of(ours))
+    ref = prompt_tuning_reference(ref_base, prompt_of(ours))
     ids = random_ids(2, 6)
     torch.testing.assert_close(ours(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss)
 

@@ -8,8 +8,9 @@ from typing import Optional
 
 import pytest
 import torch
+from conftest import prompt_tuning_reference
 from datasets import Dataset
-from peft import PeftModel, PromptTuningConfig, get_peft_model
+from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import GPTNeoConfig, GPTNeoForCausalLM, Trainer, TrainingArguments
 
@@ -182,10 +183,7 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path, tokenizer
 
 def reference_prompt_tuning(prompt: torch.Tensor, base: str = "gpt2"):
     """PEFT PROMPT_TUNING on the same base with the same prompt values: the loss oracle."""
-    config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=prompt.shape[0])
-    ref = get_peft_model(BASES[base](), config)
-    ref.prompt_encoder["default"].embedding.weight.data.copy_(prompt)
-    return ref.eval()
+    return prompt_tuning_reference(BASES[base](), prompt)
 
 
 def test_evaluate_and_predict_give_base_shaped_logits_and_the_exact_loss(tmp_path, tokenizer):

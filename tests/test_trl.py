@@ -7,8 +7,9 @@ must equal the ones PEFT PROMPT_TUNING gives for the same prompt values (which i
 
 import pytest
 import torch
+from conftest import prompt_tuning_reference
 from datasets import Dataset
-from peft import PeftModel, PromptTuningConfig, get_peft_model
+from peft import PeftModel, get_peft_model
 from test_trainer import tiny_gpt_neo
 from trl import SFTConfig, SFTTrainer
 
@@ -140,8 +141,7 @@ def dataset_for(kind: str, model) -> Dataset:
 
 def reference(base, prompt: torch.Tensor, batch: dict) -> dict:
     """Loss, entropy and token accuracy from PEFT PROMPT_TUNING's `[B, N+L, V]` logits for the same prompt values."""
-    ref = get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=N)).eval()
-    ref.prompt_encoder["default"].embedding.weight.data.copy_(prompt)
+    ref = prompt_tuning_reference(base, prompt)
     labels = batch["labels"]
     with torch.no_grad():
         out = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels)

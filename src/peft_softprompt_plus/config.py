@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from peft.config import PeftConfig
 
@@ -12,7 +12,14 @@ from ._peft_registry import SOFTPROMPT_PLUS
 from .tasks import task_of
 
 
-class PromptInit(str, enum.Enum):
+class _Choice(str, enum.Enum):
+    """A string option: compares, prints and serialises as its value."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class PromptInit(_Choice):
     """How the prompt's `[N, D]` values are first filled (see `prompt_init.py`)."""
 
     RANDOM = "random"
@@ -20,7 +27,7 @@ class PromptInit(str, enum.Enum):
     TEXT = "text"
 
 
-class ValidateGradients(str, enum.Enum):
+class ValidateGradients(_Choice):
     """What to do when the attach-time probe finds that gradients can't reach the prompt."""
 
     RAISE = "raise"
@@ -28,21 +35,12 @@ class ValidateGradients(str, enum.Enum):
     OFF = "off"
 
 
-class ForwardPath(str, enum.Enum):
+class ForwardPath(_Choice):
     """Which forward computes the prompted model (see `forward_paths.py`)."""
 
     AUTO = "auto"
     SHARED_KV = "shared_kv"
     CONCAT = "concat"
-
-
-def _choice(enum_cls: type[enum.Enum], name: str, value) -> str:
-    allowed = [m.value for m in enum_cls]
-    if isinstance(value, enum.Enum):
-        value = value.value
-    if value not in allowed:
-        raise ValueError(f"`{name}` must be one of {allowed}, got {value!r}.")
-    return value
 
 
 @dataclass
@@ -56,8 +54,8 @@ class SoftPromptPlusConfig(PeftConfig):
     num_virtual_tokens: int = field(
         default=20, metadata={"help": "N, the number of virtual (soft prompt) tokens placed before the text."}
     )
-    prompt_init: str = field(
-        default=PromptInit.RANDOM.value,
+    prompt_init: PromptInit = field(
+        default=PromptInit.RANDOM,
         metadata={
             "help": "`random`: normal noise scaled to the statistics of the model's word embeddings; `vocab`: rows "
             "of the embedding matrix of randomly drawn non-special tokens; `text`: rows of the tokenized "
@@ -78,15 +76,15 @@ class SoftPromptPlusConfig(PeftConfig):
         default=None,
         metadata={"help": "Seed for `random` and `vocab` init; None draws from torch's global generator."},
     )
-    validate_gradients: str = field(
-        default=ValidateGradients.RAISE.value,
+    validate_gradients: ValidateGradients = field(
+        default=ValidateGradients.RAISE,
         metadata={
             "help": "At attach time, prove that gradients reach the prompt: `raise` a GradientFlowError, `warn`, or "
             "`off`."
         },
     )
-    forward_path: str = field(
-        default=ForwardPath.AUTO.value,
+    forward_path: ForwardPath = field(
+        default=ForwardPath.AUTO,
         metadata={
             "help": "`shared_kv` runs the prompt once per forward and hands its keys/values to every attention "
             "layer (gradient checkpointing on or off); `concat` concatenates the prompt to every row; `auto` takes "
@@ -104,39 +102,91 @@ class SoftPromptPlusConfig(PeftConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.peft_type = SOFTPROMPT_PLUS
-        self.prompt_init = _choice(PromptInit, "prompt_init", self.prompt_init)
-        self.validate_gradients = _choice(ValidateGradients, "validate_gradients", self.validate_gradients)
-        self.forward_path = _choice(ForwardPath, "forward_path", self.forward_path)
-        # Checks are independent `if`s so that one bad field never hides another's message.
-        if self.task_type is not None:
-            task_of(self.task_type)
-        if isinstance(self.num_virtual_tokens, bool) or not isinstance(self.num_virtual_tokens, int):
-            raise ValueError(
-                f"`num_virtual_tokens` must be a positive int, got {self.num_virtual_tokens!r} "
-                f"({type(self.num_virtual_tokens).__name__})."
-            )
-        if self.num_virtual_tokens < 1:
-            raise ValueError(f"`num_virtual_tokens` must be >= 1, got {self.num_virtual_tokens}.")
-        if self.prompt_init == PromptInit.TEXT.value and not self.prompt_init_text:
-            raise ValueError(
-                f"`prompt_init_text` must be a non-empty string when `prompt_init='text'`, got "
-                f"{self.prompt_init_text!r}. Pass the text whose embeddings should start the prompt."
-            )
-        if self.prompt_init == PromptInit.TEXT.value and not self.tokenizer_name_or_path:
-            raise ValueError(
-                f"`tokenizer_name_or_path` is needed when `prompt_init='text'`, got {self.tokenizer_name_or_path!r}. "
-                "Pass a local tokenizer directory or Hub id."
-            )
-        if self.prompt_init != PromptInit.TEXT.value and self.prompt_init_text is not None:
-            raise ValueError(
-                f"`prompt_init_text` is only used with `prompt_init='text'`, got prompt_init={self.prompt_init!r} "
-                f"with prompt_init_text={self.prompt_init_text!r}. Set `prompt_init='text'` or drop the text."
-            )
-        if self.init_seed is not None and (isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int)):
-            raise ValueError(f"`init_seed` must be an int or None, got {self.init_seed!r}.")
-        if self.modules_to_save is not None and not (
-            isinstance(self.modules_to_save, list) and all(isinstance(m, str) for m in self.modules_to_save)
-        ):
-            raise ValueError(
-                f"`modules_to_save` must be a list of module names or None, got {self.modules_to_save!r}."
-            )
+        # Every check runs; the error lists every bad field, so one never hides another.
+        problems = [problem for check in _CHECKS if (problem := check(self))]
+        if len(problems) == 1:
+            raise ValueError(problems[0])
+        if problems:
+            raise ValueError(f"SoftPromptPlusConfig has {len(problems)} problems:\n- " + "\n- ".join(problems))
+        for name, choice in _CHOICES.items():
+            setattr(self, name, choice(getattr(self, name)))  # the enum member (a str)
+
+
+_CHOICES = {"prompt_init": PromptInit, "validate_gradients": ValidateGradients, "forward_path": ForwardPath}
+
+
+def _choice(name: str) -> Callable[[SoftPromptPlusConfig], Optional[str]]:
+    def check(config: SoftPromptPlusConfig) -> Optional[str]:
+        value, allowed = getattr(config, name), [m.value for m in _CHOICES[name]]
+        if value not in allowed:
+            return f"`{name}` must be one of {allowed}, got {value!r}."
+        return None
+
+    return check
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _task(c: SoftPromptPlusConfig) -> Optional[str]:
+    try:
+        task_of(c.task_type)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _num_virtual_tokens(c: SoftPromptPlusConfig) -> Optional[str]:
+    value = c.num_virtual_tokens
+    if not _is_int(value) or value < 1:
+        return f"`num_virtual_tokens` must be a positive int (>= 1), got {value!r} ({type(value).__name__})."
+    return None
+
+
+def _text_init(c: SoftPromptPlusConfig) -> Optional[str]:
+    text = c.prompt_init == PromptInit.TEXT.value
+    if text and not c.prompt_init_text:
+        return (
+            f"`prompt_init_text` must be a non-empty string when `prompt_init='text'`, got {c.prompt_init_text!r}. "
+            "Pass the text whose embeddings should start the prompt."
+        )
+    if not text and c.prompt_init_text is not None:
+        return (
+            f"`prompt_init_text` is only used with `prompt_init='text'`, got prompt_init={str(c.prompt_init)!r} with "
+            f"prompt_init_text={c.prompt_init_text!r}. Set `prompt_init='text'` or drop the text."
+        )
+    return None
+
+
+def _tokenizer(c: SoftPromptPlusConfig) -> Optional[str]:
+    if c.prompt_init == PromptInit.TEXT.value and not c.tokenizer_name_or_path:
+        return (
+            f"`tokenizer_name_or_path` is needed when `prompt_init='text'`, got {c.tokenizer_name_or_path!r}. Pass a "
+            "local tokenizer directory or Hub id."
+        )
+    return None
+
+
+def _init_seed(c: SoftPromptPlusConfig) -> Optional[str]:
+    if c.init_seed is not None and not _is_int(c.init_seed):
+        return f"`init_seed` must be an int or None, got {c.init_seed!r}."
+    return None
+
+
+def _modules_to_save(c: SoftPromptPlusConfig) -> Optional[str]:
+    names = c.modules_to_save
+    if names is not None and not (isinstance(names, list) and all(isinstance(m, str) for m in names)):
+        return f"`modules_to_save` must be a list of module names or None, got {names!r}."
+    return None
+
+
+_CHECKS: tuple[Callable[[SoftPromptPlusConfig], Optional[str]], ...] = (
+    _task,
+    _num_virtual_tokens,
+    *(_choice(name) for name in _CHOICES),
+    _text_init,
+    _tokenizer,
+    _init_seed,
+    _modules_to_save,
+)
