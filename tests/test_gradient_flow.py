@@ -63,10 +63,19 @@ def test_attach_probe_passes_and_leaves_no_trace(make_peft):
     assert tuner.active_adapter == "default" and prompt.requires_grad
 
 
-def test_attach_probe_runs_under_no_grad(make_peft):
+def test_attach_probe_runs_under_no_grad(make_base, make_peft):
+    # Attaching inside `no_grad` (common in loading code) must still run a real backward: a healthy model passes,
+    # and a cut graph is found for its own cause, not reported as "gradients disabled" nor skipped.
     with torch.no_grad():
         model = make_peft(validate_gradients="raise")
-    assert _prompt(model).requires_grad
+        assert not torch.is_grad_enabled()  # the probe put the caller's grad mode back
+    assert _prompt(model).requires_grad and _prompt(model).grad is None
+
+    base = make_base()
+    _cut_block_input(base)
+    with torch.no_grad(), pytest.raises(GradientFlowError) as err:
+        make_peft(base=base, validate_gradients="raise")
+    assert [f.code for f in err.value.findings] == ["unreachable"]
 
 
 def test_attach_under_inference_mode_raises_grad_disabled(make_peft):

@@ -1,6 +1,7 @@
 """Registration with PEFT (_peft_registry.py): a real `PeftType` member, idempotent imports."""
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -11,6 +12,16 @@ from peft.utils import PeftType
 import peft_softprompt_plus
 
 
+def _peft_alone(code: str) -> subprocess.CompletedProcess:
+    """Runs `code` where PEFT is importable but this package never registers: `-S` skips every .pth start-up hook
+    (`softprompt-plus autoload on` is one), and the import path is this one's, minus `softprompt-plus run`'s."""
+    path = [p for p in sys.path if p and "_site" not in p]
+    prelude = f"import sys; sys.path[:] = {path!r}\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-S", "-c", prelude + code], capture_output=True, text=True, env=env,
+                          timeout=120)  # fmt: skip
+
+
 def test_peft_type_member():
     member = PeftType("SOFTPROMPT_PLUS")
     assert member is PeftType.SOFTPROMPT_PLUS is peft_softprompt_plus.SOFTPROMPT_PLUS
@@ -19,7 +30,12 @@ def test_peft_type_member():
     assert list(PeftType).count(member) == 1
     assert PEFT_TYPE_TO_CONFIG_MAPPING[member] is peft_softprompt_plus.SoftPromptPlusConfig
     assert PEFT_TYPE_TO_TUNER_MAPPING[member] is peft_softprompt_plus.SoftPromptPlusModel
-    assert PeftType.LORA.value == "LORA"  # the existing members are untouched
+
+    # PEFT's own members keep their values and order: compare with PEFT imported alone in a fresh interpreter.
+    alone = _peft_alone("from peft.utils import PeftType; print(' '.join(f'{m.name}={m.value}' for m in PeftType))")
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    ours = [f"{m.name}={m.value}" for m in PeftType if m is not member]
+    assert ours == alone.stdout.split()
 
 
 def test_reimport_and_reload_are_harmless(make_base):
@@ -44,7 +60,7 @@ def test_loading_without_the_import_fails_as_documented(tmp_path):
         "from peft import PeftConfig\n"
         "try:\n    PeftConfig.from_pretrained(str(p))\nexcept KeyError as e:\n    print('KeyError', e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = _peft_alone(code)
     assert "KeyError" in out.stdout, out.stderr[-2000:]
 
 

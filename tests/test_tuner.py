@@ -3,7 +3,8 @@
 import pytest
 import torch
 from conftest import random_ids
-from peft import get_peft_model
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file
 
 from peft_softprompt_plus import SoftPromptPlusConfig
 
@@ -117,6 +118,23 @@ def test_untied_module_to_save_trains_and_is_saved(make_base, tmp_path):
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert "base_model.prompt_bank.softprompt_plus_prompt.default" in trainable
     assert any("ln_f.modules_to_save.default" in n for n in trainable)
+
+    head = model.base_model.model.transformer.ln_f
+    original = head.original_module.weight.detach().clone()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ids = random_ids(2, 6)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    trained = head.modules_to_save["default"].weight.detach().clone()
+    assert not torch.equal(trained, original)  # the copy trained ...
+    assert torch.equal(head.original_module.weight, original)  # ... and the base's own ln_f did not
+
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert any(k.endswith("ln_f.weight") for k in saved), sorted(saved)
+    loaded = PeftModel.from_pretrained(make_base(), tmp_path)
+    torch.testing.assert_close(loaded.base_model.model.transformer.ln_f.modules_to_save["default"].weight, trained)
+    torch.testing.assert_close(loaded.base_model.prompt("default"), model.base_model.prompt("default"))
 
 
 def test_wrong_task_for_model_is_refused(make_base):
