@@ -47,7 +47,8 @@ def _launch(launcher: str, out) -> list[dict]:
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_two_ranks_end_with_bit_identical_trained_prompts(tmp_path, launcher):
     rank0, rank1 = _launch(launcher, tmp_path)
 

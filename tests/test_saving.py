@@ -119,6 +119,7 @@ def test_low_cpu_mem_usage_load(trained, tiny_model_dir, tmp_path, is_trainable)
     assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
 
 
+@pytest.mark.slow
 def test_a_killed_save_leaves_the_old_adapter_or_the_new_one(tiny_model_dir, tmp_path):
     # A save killed before or after any of its filesystem steps, or at random instants on a slow filesystem, leaves a
     # folder that loads as exactly the old adapter (N=4) or the new one (N=6); the next save removes the leftovers.
