@@ -26,7 +26,8 @@ def batch():
 
 
 def reference_logits(base, prompt, ids, mask):
-    """`[prompt; text]` through `inputs_embeds`: prompt positions 0..N-1, text from N counting real tokens."""
+    """`[prompt; text]` through `inputs_embeds`: prompt positions 0..N-1, text from N counting real tokens.
+    A causal LM's `[B, L, V]` text logits; a classifier's `[B, labels]` (left padding: the last position is real)."""
     embeds = base.get_input_embeddings()(ids)  # [B, L, D]
     rows, num_prompt = ids.shape[0], prompt.shape[0]
     kwargs = {
@@ -36,7 +37,8 @@ def reference_logits(base, prompt, ids, mask):
     if "position_ids" in inspect.signature(base.forward).parameters:
         text = num_prompt + (mask.cumsum(1) - 1).clamp(min=0)
         kwargs["position_ids"] = torch.cat([torch.arange(num_prompt).expand(rows, -1), text], dim=1)
-    return base(**kwargs).logits[:, num_prompt:]  # [B, L, V]
+    logits = base(**kwargs).logits
+    return logits[:, num_prompt:] if logits.dim() == 3 else logits
 
 
 def attach(family):
@@ -98,3 +100,43 @@ def test_greedy_generate_equals_a_no_cache_loop(family):
         want = torch.cat([want, step], dim=1)
         want_mask = torch.cat([want_mask, torch.ones_like(step)], dim=1)
     assert torch.equal(out, want)
+
+
+# ------------------------------------------------------------------------------------ task x forward path x family
+
+MATRIX_FAMILIES = ["gpt2", "llama", "bloom"]  # learned positions, rotary + GQA, ALiBi (concatenation only)
+
+
+@pytest.mark.parametrize("family", MATRIX_FAMILIES)
+@pytest.mark.parametrize("forward_path", ["shared_kv", "concat"])
+@pytest.mark.parametrize("task", ["CAUSAL_LM", "SEQ_CLS"])
+def test_task_path_family_matrix(task, forward_path, family):
+    config = SoftPromptPlusConfig(task_type=task, num_virtual_tokens=N, init_seed=0, forward_path=forward_path)
+    if forward_path == "shared_kv" and family in CONCAT_ONLY:  # asked for what the family can't do: say so at once
+        base = tiny_family(family, VOCAB, task=task)
+        with pytest.raises(ValueError, match=r"`forward_path`='shared_kv' needs .* Use forward_path='auto'"):
+            get_peft_model(base, config)
+        assert base.config._attn_implementation == tiny_family(family, VOCAB, task=task).config._attn_implementation
+        assert not any(p.grad is not None or "softprompt" in n for n, p in base.named_parameters())
+        return
+    model = get_peft_model(tiny_family(family, VOCAB, task=task), config).train()
+    prompt = model.base_model.prompt("default")
+    reference = tiny_family(family, VOCAB, task=task).train()
+    ids, mask = batch()
+    real = mask.bool()
+
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    copy = prompt.detach().clone().requires_grad_()
+    want = reference_logits(reference, copy, ids, mask)
+    if task == "CAUSAL_LM":
+        assert out.logits.shape == (3, 12, VOCAB)
+        got, want = out.logits[real], want[real]
+    else:
+        assert out.logits.shape == (3, 3)  # one row per example, pooled at its last real token
+        got = out.logits
+    # Output shaping is the task's, whatever the path: hidden states cover the text only.
+    assert all(h.shape[:2] == (3, 12) for h in out.hidden_states)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    got.logsumexp(-1).sum().backward()
+    want.logsumexp(-1).sum().backward()
+    assert rel(prompt.grad, copy.grad) <= 1e-4

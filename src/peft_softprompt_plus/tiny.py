@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
+from transformers import GPT2Config, PreTrainedTokenizerFast
 
 from .tasks import task_of
 
@@ -131,11 +131,15 @@ FAMILIES: dict[str, tuple[str, dict]] = {  # name -> (config class in transforme
 }
 
 
-def tiny_family(name: str, vocab_size: int = 300, seed: int = 0):
-    """A seeded tiny causal LM of family `name` (a key of `FAMILIES`), in eval mode."""
+def tiny_family(name: str, vocab_size: int = 300, seed: int = 0, task: str = "CAUSAL_LM"):
+    """A seeded tiny model of family `name` (a key of `FAMILIES`) for `task` (a causal LM by default), in eval mode.
+    Sequence classifiers get 3 labels and pad id 1, so they pool each row's last real token."""
     if name not in FAMILIES:
         raise ValueError(f"`name` must be one of {sorted(FAMILIES)}, got {name!r}.")
     config_name, kwargs = FAMILIES[name]
-    config = getattr(transformers, config_name)(vocab_size=vocab_size, **kwargs)
+    config = getattr(transformers, config_name)(vocab_size=vocab_size, **{**_TASK_CONFIG.get(task, {}), **kwargs})
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return getattr(transformers, task_of(task).auto_class).from_config(config).eval()
+
+
+_TASK_CONFIG = {"SEQ_CLS": dict(num_labels=3, pad_token_id=1)}
