@@ -1,6 +1,7 @@
 """Registration with PEFT (_peft_registry.py): a real `PeftType` member, idempotent imports."""
 
 import importlib
+import inspect
 import os
 import subprocess
 import sys
@@ -80,3 +81,53 @@ def test_enum_extension_on_a_fresh_str_enum():
     assert list(Kind) == [Kind.A, member] and len(Kind) == 2
     assert member == "X" and hash(member) == hash("X")
     assert pickle.loads(pickle.dumps(PeftType.SOFTPROMPT_PLUS)) is PeftType.SOFTPROMPT_PLUS
+
+
+# The parameters of every PEFT function in `PATCHES`, as the PEFT release `PEFT_CHECKED` defines them. Our
+# replacements forward arguments by these names: a PEFT upgrade that renames, adds or reorders one fails here, loudly,
+# instead of in a user's run.
+PINNED_SIGNATURES = {
+    "PeftModel.save_pretrained": "self save_directory safe_serialization selected_adapters save_embedding_layers "
+    "is_main_process path_initial_model_for_weight_conversion **kwargs",
+    "PeftModel.push_to_hub": "self repo_id *commit_message *commit_description *private *token *revision *create_pr "
+    "*max_shard_size *tags",
+    "PeftModel.create_or_update_model_card": "self output_dir",
+    "PeftModel.from_pretrained": "cls model model_id adapter_name is_trainable config autocast_adapter_dtype "
+    "ephemeral_gpu_offload low_cpu_mem_usage key_mapping **kwargs",
+    "PeftModel.load_adapter": "self model_id adapter_name is_trainable torch_device autocast_adapter_dtype "
+    "ephemeral_gpu_offload low_cpu_mem_usage key_mapping **kwargs",
+    "PeftModel.set_adapter": "self adapter_name inference_mode",
+    "PeftModel.delete_adapter": "self adapter_name",
+    "peft.mapping_func.get_peft_model": "model peft_config adapter_name mixed autocast_adapter_dtype revision "
+    "low_cpu_mem_usage",
+    "peft.get_peft_model": "model peft_config adapter_name mixed autocast_adapter_dtype revision low_cpu_mem_usage",
+}
+_KIND_MARK = {inspect.Parameter.KEYWORD_ONLY: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+
+
+def _where(patch) -> str:
+    owner = patch.owner.__name__
+    return f"{owner}.{patch.name}"
+
+
+def test_patched_peft_signatures_are_the_ones_we_checked():
+    from peft_softprompt_plus._peft_registry import PATCHES, PEFT_CHECKED, _original
+
+    assert sorted(_where(p) for p in PATCHES) == sorted(PINNED_SIGNATURES)
+    for patch in PATCHES:
+        params = inspect.signature(_original(patch.owner, patch.name)).parameters.values()
+        seen = " ".join(_KIND_MARK.get(p.kind, "") + p.name for p in params)
+        assert seen == PINNED_SIGNATURES[_where(patch)], (
+            f"PEFT {peft.__version__} changed {_where(patch)} (checked against {PEFT_CHECKED}); review its patch"
+        )
+        assert patch.reason  # every patch says why it exists
+
+
+def test_patches_are_visible_under_our_names():
+    from peft_softprompt_plus._peft_registry import PATCHES
+
+    for patch in PATCHES:
+        installed = inspect.getattr_static(patch.owner, patch.name)
+        installed = getattr(installed, "__func__", installed)
+        assert installed.__name__ == patch.replacement.__name__ and installed.__name__.startswith("softprompt_plus_")
+        assert installed._softprompt_plus_original.__module__.split(".")[0] in ("peft", "transformers")

@@ -1,0 +1,223 @@
+"""Worker for tests/test_sharded.py: trains a soft prompt under sharded data parallelism on the CPU (gloo, 2 processes
+under `torchrun`) with a plain torch loop, then saves it twice: `save_pretrained` straight on the sharded model (which
+must refuse to write a shard) and the gather recipe the refusal gives. Writes what this rank saw and ended with to
+`<out>/rank<R>.pt`.
+
+Modes: `fsdp2` (`fully_shard` per GPT-2 block and at the root of the PeftModel), `fsdp1` (`FullyShardedDataParallel`,
+`use_orig_params=True`, one unit per block and the root), `zero2` / `zero3` (DeepSpeed, torch AdamW as the client
+optimizer). `train_reference` is the one-process run on the whole global batch that the test compares against."""
+
+import argparse
+import datetime
+import os
+import traceback
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from peft import get_peft_model  # noqa: E402
+
+import peft_softprompt_plus  # noqa: E402,F401  (registers the method)
+from peft_softprompt_plus import SoftPromptPlusConfig  # noqa: E402
+from peft_softprompt_plus.tiny import tiny_gpt2  # noqa: E402
+
+NUM_VIRTUAL_TOKENS = 4
+LENGTH = 10
+GLOBAL_BATCH = 4  # rows per step over all ranks; each of the 2 ranks trains on its contiguous half
+STEPS = 3
+LR = 1e-2
+MODES = ("fsdp2", "fsdp1", "zero2", "zero3")
+
+
+def make_model():
+    """The same seeded start on every rank and in the reference."""
+    config = SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=NUM_VIRTUAL_TOKENS, init_seed=0)
+    return get_peft_model(tiny_gpt2(seed=0), config).train()
+
+
+def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` fixed global batches of `(input_ids, attention_mask)`, right padded to varying lengths."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(2, 300, (GLOBAL_BATCH, LENGTH), generator=g)
+        lengths = torch.randint(4, LENGTH + 1, (GLOBAL_BATCH,), generator=g)
+        out.append((ids, (torch.arange(LENGTH) < lengths[:, None]).long()))
+    return out
+
+
+def eval_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 300, (3, LENGTH), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    return ids, mask
+
+
+def loss_of(logits, ids, mask, global_mask, world_size: int) -> torch.Tensor:
+    """Next-token cross entropy summed over this rank's tokens, divided by the token count of the whole global batch
+    and multiplied by the world size: after the averaging all-reduce (or reduce-scatter) of the gradients, every rank
+    holds the gradient of the global batch's token mean, as one process on the whole batch would. (A per-rank mean
+    would weigh the ranks' tokens unequally when their padding differs.)"""
+    labels = ids.masked_fill(mask == 0, -100)[:, 1:]
+    total = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return total / global_mask[:, 1:].sum() * world_size
+
+
+def train_reference(steps: int = STEPS):
+    """One process, the whole global batch per step, same loop: `(model, [loss per step])`."""
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for ids, mask in batches(steps):
+        loss = loss_of(model(input_ids=ids, attention_mask=mask).logits, ids, mask, mask, 1)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return model, losses
+
+
+def _shard(mode: str, model):
+    """`(what to call forward on, the PeftModel, the optimizer or None when DeepSpeed steps)`."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.base_model.model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)  # the root group holds the embeddings, the final norm and the prompt
+        params = [p for p in model.parameters() if p.requires_grad]  # DTensors now
+        return model, model, torch.optim.AdamW(params, lr=LR)
+    if mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        wrapped = FSDP(model, use_orig_params=True, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
+        params = [p for p in wrapped.parameters() if p.requires_grad]
+        return wrapped, model, torch.optim.AdamW(params, lr=LR)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2 if mode == "zero2" else 3},
+        "zero_allow_untested_optimizer": True,  # torch AdamW: DeepSpeed's fused CPU Adam would need a compiled op
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(trainable, lr=LR), config=config)
+    return engine, model, None
+
+
+def _full_state_dict(mode: str, wrapped) -> dict:
+    """The gather recipe of the library's refusal message, per mode."""
+    if mode == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import StateDictType
+
+        with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT):
+            return wrapped.state_dict()
+    if mode == "zero3":
+        return wrapped._zero3_consolidated_16bit_state_dict()
+    return wrapped.module.state_dict()  # ZeRO-2 partitions optimizer state and gradients, never the parameters
+
+
+def _attempt(fn):
+    """`(result, None)` or `(None, {"type", "message", "traceback"})`: the test asserts on what failed, and how."""
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001  (recorded for the test to judge)
+        return None, {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    args = parser.parse_args()
+
+    timeout = datetime.timedelta(seconds=120)  # a rank left waiting on a collective fails instead of hanging
+    if args.mode.startswith("zero"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    per_rank = GLOBAL_BATCH // world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+
+    torch.manual_seed(0)
+    model = make_model()
+    initial = model.base_model.prompt("default").detach().clone()
+    wrapped, peft_model, optimizer = _shard(args.mode, model)
+
+    losses = []
+    for ids, mask in batches(args.steps):
+        logits = wrapped(input_ids=ids[rows], attention_mask=mask[rows]).logits
+        loss = loss_of(logits, ids[rows], mask[rows], mask, world_size)
+        if optimizer is None:
+            wrapped.backward(loss)
+            wrapped.step()
+        else:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+
+    local = peft_model.base_model.prompt("default")
+    local_type, local_shape = type(local).__name__, list(getattr(local, "ds_tensor", local).shape)
+
+    # (a) `save_pretrained` straight on the sharded model: every rank calls it, as a training script would.
+    direct = os.path.join(args.out, "direct")
+    _, direct_error = _attempt(lambda: peft_model.save_pretrained(direct))
+    dist.barrier()
+
+    # (b) the recipe: gather the full state dict on every rank, save on rank 0.
+    state_dict, gather_error = _attempt(lambda: _full_state_dict(args.mode, wrapped))
+    state_dict = state_dict or {}
+    recipe = os.path.join(args.out, "recipe")
+    _, recipe_error = (
+        _attempt(lambda: peft_model.save_pretrained(recipe, state_dict=state_dict, is_main_process=rank == 0))
+        if gather_error is None
+        else (None, None)
+    )
+    dist.barrier()
+
+    prompt_keys = [k for k in state_dict if "prompt" in k]
+    gathered = state_dict[prompt_keys[0]].detach().to(torch.float32).clone() if prompt_keys else None
+    torch.save(
+        {
+            "world_size": world_size,
+            "backend": dist.get_backend(),
+            "rows": (rows.start, rows.stop),
+            "initial": initial,
+            "losses": losses,
+            "local_type": local_type,
+            "local_shape": local_shape,
+            "direct_error": direct_error,
+            "gather_error": gather_error,
+            "recipe_error": recipe_error,
+            "state_dict_size": len(state_dict),
+            "prompt_keys": prompt_keys,
+            "gathered": gathered,
+        },
+        os.path.join(args.out, f"rank{rank}.pt"),
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
