@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 import peft_softprompt_plus  # noqa: F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.demo import TAGS, TRAIN_WORDS, WORDS, encode, left_padded, pairs, pretrain_tiny
+from peft_softprompt_plus.demo import HELD_OUT, TAGS, TRAIN_WORDS, WORDS, encode, left_padded, pairs, pretrain_tiny
 
 TASKS = tuple(TAGS)  # ("up", "down"): one adapter per task
 
@@ -86,13 +86,13 @@ def main(argv=None) -> dict:
     served = PeftModel.from_pretrained(fresh, os.path.join(work, TASKS[0]), adapter_name=TASKS[0])
     for task in TASKS[1:]:
         served.load_adapter(os.path.join(work, task), adapter_name=task)
-    requests = [(task, a) for a in WORDS[6:8] for task in (*TASKS, "__base__")]
+    requests = [(task, a) for a in HELD_OUT[:2] for task in (*TASKS, "__base__")]  # words never tuned on
     answers = serve(served, tokenizer, requests)
     for (task, text), answer in zip(requests, answers, strict=True):
         print(f"  [{task:>8}] {text.strip():>6} -> {answer}")
     correct = {
         task: sum(
-            answer == WORDS[WORDS.index(text) + TAGS[task]].strip()
+            answer.split()[:1] == [WORDS[WORDS.index(text) + TAGS[task]].strip()]  # the first word answers
             for (asked, text), answer in zip(requests, answers, strict=True)
             if asked == task
         )

@@ -230,3 +230,23 @@ def test_sequence_classification_pools_and_scores_each_row_with_its_adapter(make
         real = mask[row].bool()
         single = alone(model, name, input_ids=ids[row : row + 1, real]).logits
         torch.testing.assert_close(mixed[row : row + 1], single, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_serving_example_answers_each_task_from_one_batch(tmp_path):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "serve_many_tasks.py"
+    spec = importlib.util.spec_from_file_location("serve_many_tasks", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    result = example.main(["--steps", "60", "--out", str(tmp_path)])
+
+    assert result["correct"] == {"up": 2, "down": 2}  # held-out words, both tasks, in one mixed batch
+    by_task = {}
+    for (task, _), answer in zip(result["requests"], result["answers"], strict=True):
+        by_task.setdefault(task, []).append(answer)
+    assert by_task["down"] != by_task["__base__"]  # the prompt, not the base, gives the answer
+    assert {p.name for p in tmp_path.iterdir()} >= {"up", "down"}
