@@ -9,6 +9,7 @@ optimizer). `train_reference` is the one-process run on the whole global batch t
 
 import argparse
 import datetime
+import functools
 import os
 import traceback
 
@@ -31,9 +32,11 @@ LR = 1e-2
 MODES = ("fsdp2", "fsdp1", "zero2", "zero3")
 
 
-def make_model():
+def make_model(forward_path: str = "auto"):
     """The same seeded start on every rank and in the reference."""
-    config = SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=NUM_VIRTUAL_TOKENS, init_seed=0)
+    config = SoftPromptPlusConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=NUM_VIRTUAL_TOKENS, init_seed=0, forward_path=forward_path
+    )
     return get_peft_model(tiny_gpt2(seed=0), config).train()
 
 
@@ -68,10 +71,10 @@ def loss_of(logits, ids, mask, global_mask, world_size: int) -> torch.Tensor:
     return total / global_mask[:, 1:].sum() * world_size
 
 
-def train_reference(steps: int = STEPS):
+def train_reference(steps: int = STEPS, forward_path: str = "auto"):
     """One process, the whole global batch per step, same loop: `(model, [loss per step])`."""
     torch.manual_seed(0)
-    model = make_model()
+    model = make_model(forward_path)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for ids, mask in batches(steps):
@@ -99,15 +102,24 @@ def _shard(mode: str, model):
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-        wrapped = FSDP(model, use_orig_params=True, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
+        # `device_id` cpu: without it FSDP1 looks for an accelerator and refuses to start on a CPU-only machine.
+        wrapped = FSDP(
+            model,
+            use_orig_params=True,
+            auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
+            device_id=torch.device("cpu"),
+        )
         params = [p for p in wrapped.parameters() if p.requires_grad]
         return wrapped, model, torch.optim.AdamW(params, lr=LR)
     import deepspeed
 
+    # ZeRO-3 keeps parameters under `stage3_param_persistence_threshold` (1e5 elements) whole on every rank; 0
+    # partitions even this tiny prompt, as a real one of `N x hidden` > 1e5 elements would be.
+    zero = {"stage": 2} if mode == "zero2" else {"stage": 3, "stage3_param_persistence_threshold": 0}
     config = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 2 if mode == "zero2" else 3},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # torch AdamW: DeepSpeed's fused CPU Adam would need a compiled op
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -146,6 +158,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--forward-path", default="auto", choices=("auto", "shared_kv", "concat"))
     args = parser.parse_args()
 
     timeout = datetime.timedelta(seconds=120)  # a rank left waiting on a collective fails instead of hanging
@@ -160,14 +173,18 @@ def main() -> None:
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
 
     torch.manual_seed(0)
-    model = make_model()
+    model = make_model(args.forward_path)
     initial = model.base_model.prompt("default").detach().clone()
     wrapped, peft_model, optimizer = _shard(args.mode, model)
 
     losses = []
     for ids, mask in batches(args.steps):
-        logits = wrapped(input_ids=ids[rows], attention_mask=mask[rows]).logits
-        loss = loss_of(logits, ids[rows], mask[rows], mask, world_size)
+        outputs, forward_error = _attempt(functools.partial(wrapped, input_ids=ids[rows], attention_mask=mask[rows]))
+        if forward_error is not None:  # a refused forward path: the test reads the message
+            torch.save({"forward_error": forward_error}, os.path.join(args.out, f"rank{rank}.pt"))
+            dist.destroy_process_group()
+            return
+        loss = loss_of(outputs.logits, ids[rows], mask[rows], mask, world_size)
         if optimizer is None:
             wrapped.backward(loss)
             wrapped.step()
@@ -178,7 +195,10 @@ def main() -> None:
         losses.append(loss.item())
 
     local = peft_model.base_model.prompt("default")
-    local_type, local_shape = type(local).__name__, list(getattr(local, "ds_tensor", local).shape)
+    local_type = type(local).__name__
+    # What this rank holds of the prompt: a DTensor's `.shape` is the global one; ZeRO-3 keeps its shard aside.
+    shard = local.to_local() if local_type == "DTensor" else getattr(local, "ds_tensor", local)
+    local_shape, held_shape = list(shard.shape), list(local.data.shape)
 
     # (a) `save_pretrained` straight on the sharded model: every rank calls it, as a training script would.
     direct = os.path.join(args.out, "direct")
@@ -200,6 +220,7 @@ def main() -> None:
     gathered = state_dict[prompt_keys[0]].detach().to(torch.float32).clone() if prompt_keys else None
     torch.save(
         {
+            "forward_error": None,
             "world_size": world_size,
             "backend": dist.get_backend(),
             "rows": (rows.start, rows.stop),
@@ -207,6 +228,7 @@ def main() -> None:
             "losses": losses,
             "local_type": local_type,
             "local_shape": local_shape,
+            "held_shape": held_shape,
             "direct_error": direct_error,
             "gather_error": gather_error,
             "recipe_error": recipe_error,

@@ -142,6 +142,14 @@ def attention_supported(model: nn.Module) -> bool:
     return True
 
 
+def fsdp2_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 `fully_shard` wraps a module inside `model`. Its pre-forward rebuilds every dataclass argument
+    that holds grad-requiring tensors, so each sharded block would record the prompt's keys/values into a copy of
+    the prompt pass's `PromptKV`, and its backward can't regather the blocks' weights for that pass."""
+    fsdp_module = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
+    return fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules())
+
+
 # ---------------------------------------------------------------------------------------------- building a batch
 
 

@@ -12,14 +12,22 @@ from .tasks import Task, task_name, task_of
 
 
 def _uses_attention(tuner, route: routing.Route) -> bool:
-    """The attention path unless a config asks for concatenation or the family can't take the prompt there."""
+    """The attention path unless a config asks for concatenation or the model can't take the prompt there."""
     paths = {tuner.peft_config[a].forward_path for a in route.adapters}
-    if ForwardPath.SHARED_KV.value in paths and not tuner._attention_path:
+    sharded = tuner._attention_path and forward_paths.fsdp2_sharded(tuner.model)  # `fully_shard` runs after attach
+    if ForwardPath.SHARED_KV.value in paths and (sharded or not tuner._attention_path):
+        reason = "FSDP2 `fully_shard` wraps its blocks" if sharded else "it computes attention outside the registry"
         raise ValueError(
-            f"`forward_path='shared_kv'` needs a model whose attention runs through transformers' attention "
-            f"registry; {type(tuner.model).__name__} computes its own. Use `forward_path='auto'` or 'concat'."
+            f"`forward_path`='shared_kv' needs a model whose attention layers read the prompt's keys/values through "
+            f"transformers' attention registry; {type(tuner.model).__name__} can't, since {reason}. Use "
+            "forward_path='auto' (it concatenates here) or 'concat'."
         )
-    concat = ForwardPath.CONCAT.value in paths or not tuner._attention_path
+    if sharded:
+        attention.log_once(
+            "FSDP2 `fully_shard` wraps blocks of this model: the soft prompt is concatenated to every row "
+            "(forward_path='concat')."
+        )
+    concat = ForwardPath.CONCAT.value in paths or not tuner._attention_path or sharded
     routing.check_routable(route, concat)
     if not concat and not attention.is_installed(tuner.model.config):  # `set_attn_implementation` since attach
         tuner._own_attention = attention.install(tuner.model)
@@ -69,7 +77,7 @@ def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_nam
         )
     task = _task_for(tuner, route.adapters)
     validation.check_forward(tuner.model, input_ids, inputs_embeds, attention_mask, labels, kw, task.token_labels)
-    if tuner.training and not torch.is_grad_enabled():
+    if tuner.model.training and not torch.is_grad_enabled():
         gradient_flow.warn_grad_disabled_once(tuner)
     names = None if route.rows is None else _names_for_heads(tuner, adapter_names)
     rows = forward_paths.RowPrompts([tuner.prompt_for_use(a) for a in route.adapters], route.rows, names)

@@ -27,9 +27,10 @@ def full_prompt(value, num_virtual_tokens: int, adapter_name: str):
 
     sharded = type(value).__name__ == "DTensor" or value.dim() != 2 or value.shape[0] != num_virtual_tokens
     if sharded:
+        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's `.shape` is the global one
         raise ValueError(
             f"The prompt of adapter {adapter_name!r} is sharded on this process ({type(value).__name__} of local "
-            f"shape {list(value.shape)}, expected [{num_virtual_tokens}, hidden size]), so saving it would write a "
+            f"shape {list(local.shape)}, expected [{num_virtual_tokens}, hidden size]), so saving it would write a "
             "shard. "
             "Gather the full state dict on every rank, then save it on one: with FSDP2, "
             "`sd = torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
