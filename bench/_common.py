@@ -1,18 +1,21 @@
-"""What every benchmark here shares: the seeded GPT-2 shapes, the models compared, interleaved timing with medians,
-the step-memory measure, the result table and a description of the machine. See bench/README.md for the method."""
+"""What every benchmark here shares: the seeded GPT-2 shapes and the bases loaded from them, the models compared,
+interleaved timing with medians, the result table and a description of the machine. Method: bench/README.md."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
+import logging
 import os
 import platform
 import statistics
+import tempfile
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -22,20 +25,22 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from peft import PromptTuningConfig, get_peft_model  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
-from transformers import GPT2LMHeadModel  # noqa: E402
+from transformers import BitsAndBytesConfig, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import peft_softprompt_plus  # noqa: E402,F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig  # noqa: E402
-from peft_softprompt_plus.tiny import tiny_config  # noqa: E402
 
 MB = 2**20
 
 
-def quiet() -> None:
-    warnings.filterwarnings("ignore")
+def quiet(all_warnings: bool = True) -> None:
+    """Silence what would repeat on every call and drown the tables; `all_warnings=False` keeps library warnings."""
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "inputs will be cast ... to float16" every call
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" on every from_pretrained
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    if all_warnings:
+        warnings.filterwarnings("ignore")
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -43,7 +48,7 @@ def quiet() -> None:
 
 @dataclass(frozen=True)
 class Shape:
-    """A random GPT-2 (fp32, dropout off, `n_positions` 1024) and the batch it is timed on."""
+    """A random GPT-2 (dropout off, `n_positions` 1024, ids 0/1 end-of-text and pad) and the batch it runs on."""
 
     name: str
     n_layer: int
@@ -53,12 +58,24 @@ class Shape:
     batch: int = 16
     length: int = 128
 
+    def config(self) -> GPT2Config:
+        return GPT2Config(
+            vocab_size=self.vocab,
+            n_positions=1024,
+            n_embd=self.n_embd,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=1,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+
     def base(self, checkpointing: bool = False) -> GPT2LMHeadModel:
         torch.manual_seed(0)
-        config = tiny_config(
-            self.vocab, n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head, n_positions=1024
-        )
-        model = GPT2LMHeadModel(config)
+        model = GPT2LMHeadModel(self.config())
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
@@ -67,12 +84,50 @@ class Shape:
         gen = torch.Generator().manual_seed(seed)
         return torch.randint(2, self.vocab, (self.batch, self.length), generator=gen)  # [B, L]
 
+    def replace(self, **changes) -> Shape:
+        return dataclasses.replace(self, **changes)
+
     def describe(self) -> str:
         return f"{self.name}: GPT-2 {self.n_layer} x {self.n_embd}, {self.n_head} heads, vocab {self.vocab}"
 
 
 TINY = Shape("tiny", 4, 256, 4, 5000)
 SMALL = Shape("small", 12, 768, 12, 50257)
+
+
+@contextlib.contextmanager
+def checkpoint(shape: Shape) -> Iterator[str]:
+    """`shape.base()` saved to a temporary folder: 8- and 4-bit loading quantizes a checkpoint on disk."""
+    with tempfile.TemporaryDirectory() as path:
+        shape.base().save_pretrained(path)
+        yield path
+
+
+def _plain(dtype: torch.dtype) -> Callable[[str, torch.device], nn.Module]:
+    return lambda path, device: GPT2LMHeadModel.from_pretrained(path, dtype=dtype).to(device)
+
+
+def _quantized(dtype: Optional[torch.dtype] = None, **quant) -> Callable[[str, torch.device], nn.Module]:
+    def load(path: str, device: torch.device) -> nn.Module:
+        # nf4 computes in bf16 on a GPU; bitsandbytes' CPU kernels take float32
+        compute = {"bnb_4bit_compute_dtype": torch.bfloat16 if device.type == "cuda" else torch.float32}
+        config = BitsAndBytesConfig(**quant, **(compute if quant.get("load_in_4bit") else {}))
+        device_map = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
+        kwargs = {} if dtype is None else {"dtype": dtype}
+        return GPT2LMHeadModel.from_pretrained(path, quantization_config=config, device_map=device_map, **kwargs)
+
+    return load
+
+
+# base name -> `load(checkpoint_path, device)`; the weights' dtypes are named by the key
+BASES: dict[str, Callable[[str, torch.device], nn.Module]] = {
+    "fp32": _plain(torch.float32),
+    "fp16": _plain(torch.float16),
+    "bf16": _plain(torch.bfloat16),
+    "int8": _quantized(load_in_8bit=True),
+    "int8+bf16": _quantized(torch.bfloat16, load_in_8bit=True),
+    "nf4": _quantized(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+}
 
 
 def ours(base: nn.Module, n: int, **config):
@@ -84,12 +139,12 @@ def peft_prompt_tuning(base: nn.Module, values: torch.Tensor):
     """PEFT PROMPT_TUNING holding `values` `[N, D]`."""
     model = get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=values.shape[0]))
     with torch.no_grad():
-        model.prompt_encoder["default"].embedding.weight.copy_(values)
+        peft_prompt(model).copy_(values)
     return model
 
 
-def peft_prompt(model) -> nn.Parameter:
-    return model.prompt_encoder["default"].embedding.weight
+def peft_prompt(model, adapter_name: str = "default") -> nn.Parameter:
+    return model.prompt_encoder[adapter_name].embedding.weight
 
 
 def train_step(model, ids: torch.Tensor, params: list[nn.Parameter], **forward) -> Callable[[], torch.Tensor]:
@@ -139,8 +194,11 @@ class Timings:
         )
 
 
-def interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int) -> dict[str, Timings]:
-    """Every variant once per round, the order rotating each round; the timed rounds' seconds."""
+def interleaved(
+    fns: dict[str, Callable[[], object]], reps: int, warmup: int, after: Optional[Callable[[object], None]] = None
+) -> dict[str, Timings]:
+    """Every variant once per round, the order rotating each round; the timed rounds' seconds. `after` gets each
+    call's result, untimed (e.g. to undo what the call did)."""
     names = list(fns)
     times = {name: Timings() for name in names}
     for round_ in range(warmup + reps):
@@ -148,8 +206,10 @@ def interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int) ->
         for name in names[shift:] + names[:shift]:
             gc.collect()
             wall, cpu = time.perf_counter(), time.process_time()
-            fns[name]()
+            result = fns[name]()
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            if after is not None:
+                after(result)
             if round_ >= warmup:
                 times[name].wall.append(wall)
                 times[name].cpu.append(cpu)
@@ -159,58 +219,6 @@ def interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int) ->
 def ratio(times: dict[str, Timings], num: str, den: str) -> tuple[float, float]:
     """(wall, cpu) ratios of medians."""
     return times[num].med() / times[den].med(), times[num].med("cpu") / times[den].med("cpu")
-
-
-# ---------------------------------------------------------------------------------------------- memory
-
-
-class LiveBytes(TorchDispatchMode):
-    """Running and peak bytes of storages returned by ops under this mode; freed storages leave via weakrefs.
-    `weight_shapes` marks float32 tensors shaped like a weight (upcast or dequantized copies) for a separate count."""
-
-    def __init__(self, resident: set[int], weight_shapes: frozenset = frozenset()):
-        super().__init__()
-        self._resident = resident  # storage pointers of weights: views of them (`w.t()`) allocate nothing
-        self._weight_shapes = weight_shapes
-        self.live = self.peak = self.float_weight_live = self.float_weight_peak = 0
-        self._refs: dict[int, weakref.ref] = {}
-
-    def _track(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        key = id(storage)  # storages keep one Python object while alive, so `id` is stable until the weakref fires
-        if key in self._refs or storage.nbytes() == 0 or storage.data_ptr() in self._resident:
-            return
-        size = storage.nbytes()
-        weight_like = tensor.dtype in (torch.float32, torch.float64) and tuple(tensor.shape) in self._weight_shapes
-
-        def freed(_ref, key=key, size=size, weight_like=weight_like):
-            self._refs.pop(key, None)
-            self.live -= size
-            self.float_weight_live -= size if weight_like else 0
-
-        self._refs[key] = weakref.ref(storage, freed)
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        if weight_like:
-            self.float_weight_live += size
-            self.float_weight_peak = max(self.float_weight_peak, self.float_weight_live)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for item in tree_flatten(out)[0]:
-            if isinstance(item, torch.Tensor) and item.device.type != "meta":
-                self._track(item)
-        return out
-
-
-def step_peak(step: Callable[[], object], model: nn.Module) -> int:
-    """Peak bytes of tensors alive during one step; weights and buffers are not counted."""
-    weights = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-    gc.collect()
-    mode = LiveBytes(weights)
-    with mode:
-        step()
-    return mode.peak
 
 
 # ---------------------------------------------------------------------------------------------- report

@@ -1,7 +1,9 @@
 """Many tasks, one base: 16 rows over 4 soft prompts in one batch (`adapter_names`), against the same 16 rows on one
-prompt, and against PEFT PROMPT_TUNING, which must run one batch per adapter (4 batches of 4). Method: bench/README.md.
+prompt, and against PEFT PROMPT_TUNING, which must run one batch per adapter (4 batches of 4).
+Method, targets and commands: bench/README.md.
 
-    python bench/bench_mixed.py            # tiny shape, L=128 and L=32, train step and inference forward
+    python bench/bench_mixed.py            # tiny shape, L=128 and L=32, train step and forward (about 5 minutes)
+    python bench/bench_mixed.py --quick    # L=32 only, 2 rounds (well under a minute)
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ ADAPTERS = ("default", "b", "c", "d")  # get_peft_model names the first one "def
 N = 50
 SAME_WORK = "<= 1.15"  # mixed / one prompt
 SPEEDUP = ">= 2.0"  # PEFT 4x4 / ours mixed
+EXACT = "<= 1e-05"  # |mean loss mixed - PEFT|
 
 
 def _ours(shape: c.Shape):
     config = dict(task_type="CAUSAL_LM", num_virtual_tokens=N, validate_gradients="off")
-    model = c.ours(shape.base(), N, validate_gradients="off")
+    model = c.ours(shape.base(), N)
     for i, name in enumerate(ADAPTERS[1:]):
         model.add_adapter(name, SoftPromptPlusConfig(init_seed=i + 1, **config))
     for name in ADAPTERS:
@@ -36,11 +39,11 @@ def _peft(shape: c.Shape, ours):
     for name in ADAPTERS[1:]:
         model.add_adapter(name, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=N))
         with torch.no_grad():
-            model.prompt_encoder[name].embedding.weight.copy_(ours.base_model.prompt(name))
+            c.peft_prompt(model, name).copy_(ours.base_model.prompt(name))
     return model
 
 
-def bench(shape: c.Shape, train: bool, reps: int, rows: list[c.Row]) -> None:
+def bench(shape: c.Shape, train: bool, reps: int, warmup: int, rows: list[c.Row]) -> None:
     tag = f"{shape.name} L={shape.length} {'train step' if train else 'forward'}"
     ids = shape.ids()
     ours = _ours(shape).train(train)
@@ -76,18 +79,17 @@ def bench(shape: c.Shape, train: bool, reps: int, rows: list[c.Row]) -> None:
         "one": run(lambda: ours(input_ids=ids, labels=ids).loss),
         "peft4x4": run(peft_batches),
     }
-    times = c.interleaved(steps, reps, 2)
+    times = c.interleaved(steps, reps, warmup)
     for name, t in times.items():
         print(f"  [{tag}] {name:<8} {t.line()}", flush=True)
-    rows.append(
-        c.Row(f"{tag}: |mean loss mixed - PEFT|", abs(loss_mixed - loss_peft), target="<= 1e-05", fmt="{:.1e}")
-    )
+    rows.append(c.Row(f"{tag}: |mean loss mixed - PEFT|", abs(loss_mixed - loss_peft), target=EXACT, fmt="{:.1e}"))
     rows.append(c.Row(f"{tag}: 4 adapters mixed / one adapter", *c.ratio(times, "mixed", "one"), SAME_WORK))
     rows.append(c.Row(f"{tag}: PEFT 4 batches of 4 / ours mixed", *c.ratio(times, "peft4x4", "mixed"), SPEEDUP))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="L=32 only, 2 rounds after 1 warm-up: a smoke test")
     parser.add_argument("--threads", type=int, default=1, help="torch threads; 0 keeps torch's default")
     parser.add_argument("--reps", type=int, default=7, help="timed rounds")
     args = parser.parse_args()
@@ -95,12 +97,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     c.quiet()
     start = time.perf_counter()
-    print(f"machine: {c.machine()}\n{c.TINY.describe()}; B=16, 4 adapters x N={N}; median of {args.reps} rounds")
+    reps, warmup, lengths = (2, 1, (32,)) if args.quick else (args.reps, 2, (128, 32))
+    print(f"machine: {c.machine()}\n{c.TINY.describe()}; B=16, 4 adapters x N={N}; median of {reps} rounds")
     rows: list[c.Row] = []
-    for length in (128, 32):
-        shape = c.Shape(c.TINY.name, c.TINY.n_layer, c.TINY.n_embd, c.TINY.n_head, c.TINY.vocab, 16, length)
+    for length in lengths:
         for train in (True, False):
-            bench(shape, train, args.reps, rows)
+            bench(c.TINY.replace(batch=16, length=length), train, reps, warmup, rows)
     c.print_table(rows)
     print(f"\nmachine at the end: {c.machine()}\ntotal {time.perf_counter() - start:.0f} s")
 

@@ -1,8 +1,8 @@
 """Train-step speed and memory against PEFT PROMPT_TUNING and the frozen-model floor, with gradient checkpointing off
-and on, and `generate` against the base model. Method, shapes and options: bench/README.md.
+and on, and `generate` against the base model. Method, targets and commands: bench/README.md.
 
     python bench/bench_speed.py            # tiny and GPT-2-small shapes, B=16 (about 40 minutes on 2 cores)
-    python bench/bench_speed.py --quick    # tiny shape, fewer rounds (about 3 minutes)
+    python bench/bench_speed.py --quick    # tiny shape, 2 rounds (about 2 minutes)
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import time
 
 import _common as c
+import _memory as mem
 import torch
 
 PAD_ID = 1
@@ -60,7 +61,7 @@ def bench_train(shape: c.Shape, n: int, checkpointing: bool, reps: int, warmup: 
     rows.append(c.Row(f"{tag}: train step ours, ms (context)", 1e3 * times["ours"].med(), fmt="{:.0f}"))
     if n == 100:
         peaks = {
-            name: c.step_peak(step, m) for (name, step), m in zip(steps.items(), (model, ref, floor), strict=True)
+            name: mem.step_peak(step, m) for (name, step), m in zip(steps.items(), (model, ref, floor), strict=True)
         }
         print("  [" + tag + "] step peak MB: " + ", ".join(f"{k} {v / c.MB:.1f}" for k, v in peaks.items()))
         rows.append(c.Row(f"{tag}: step peak memory ours / PEFT", peaks["ours"] / peaks["peft"], target=MEMORY))
@@ -127,7 +128,7 @@ def bench_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row]) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shape only, fewer rounds")
+    parser.add_argument("--quick", action="store_true", help="tiny shape only, 2 rounds after 1 warm-up")
     parser.add_argument("--threads", type=int, default=1, help="torch threads; 0 keeps torch's default")
     parser.add_argument("--reps", type=int, default=7, help="timed rounds, tiny shape")
     parser.add_argument("--small-reps", type=int, default=3, help="timed rounds, GPT-2-small shape")
@@ -140,7 +141,7 @@ def main() -> None:
     malloc = {k: os.environ[k] for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if k in os.environ}
     print(f"machine: {c.machine()}\nallocator: {malloc or 'glibc defaults'}")
     rows: list[c.Row] = []
-    reps, warmup = (3, 1) if args.quick else (args.reps, 2)
+    reps, warmup = (2, 1) if args.quick else (args.reps, 2)
     shapes = [(c.TINY, reps, warmup)] + ([] if args.quick else [(c.SMALL, args.small_reps, 1)])
     for shape, shape_reps, shape_warmup in shapes:
         if args.only not in (None, shape.name):
@@ -151,7 +152,7 @@ def main() -> None:
                 bench_train(shape, n, checkpointing, shape_reps, shape_warmup, rows)
     if args.only in (None, "tiny"):
         print(f"\n{c.TINY.name}: generate, {GEN_PROMPTS} left-padded prompts x {NEW_TOKENS} new tokens, greedy")
-        bench_generate(c.TINY, 5 if args.quick else 15, 2, rows)
+        bench_generate(c.TINY, *((3, 1) if args.quick else (15, 2)), rows)
     c.print_table(rows)
     print(f"\nmachine at the end: {c.machine()}\ntotal {time.perf_counter() - start:.0f} s")
 
