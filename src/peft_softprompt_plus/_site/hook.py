@@ -6,8 +6,6 @@ so registration never meets a half-imported module of ours. Standard library onl
 start-up under `softprompt-plus run` and the opt-in `.pth` hook.
 """
 
-from __future__ import annotations
-
 import sys
 
 PACKAGE = "peft_softprompt_plus"
