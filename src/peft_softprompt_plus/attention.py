@@ -31,7 +31,7 @@ PREFIX = "softprompt_plus_"
 class PromptKV:
     """One forward's prompt keys/values for every attention layer, and which rows read which prompt.
 
-    `layers[module]` holds `([A, Hkv, M, hd], [A, Hkv, M, hd])` for A prompts of at most M positions; prompt `a` has
+    `layers[module]` holds `([A, Hkv, N, hd], [A, Hkv, N, hd])` for A prompts of at most N positions; prompt `a` has
     `lengths[a]` real positions (the rest is padding no query reads). `rows[b]` is the prompt row `b` reads (-1: none);
     None means every row reads prompt 0. `query_offset` is the index of the first query in the text (decode steps).
     """
@@ -50,7 +50,7 @@ class PromptKV:
             return cls(single[0].lengths, rows, layers=single[0].layers)
         width = max(kv.max_length for kv in single)
 
-        def padded(tensors):  # each [1, Hkv, M_a, hd] -> [A, Hkv, M, hd]
+        def padded(tensors):  # each [1, Hkv, N_a, hd] -> [A, Hkv, N, hd]
             return torch.cat([nn.functional.pad(t, (0, 0, 0, width - t.shape[2])) for t in tensors])
 
         layers = {
@@ -78,7 +78,7 @@ class PromptKV:
         return tensor.index_select(0, rows.repeat_interleave(batch // rows.shape[0]))
 
     def mask(self, text_mask, query: torch.Tensor, key: torch.Tensor, window: Optional[int], additive: bool):
-        """`[b, 1, q, M+kv]`: the prompt's columns in front of the text's mask, in the kernel's form; once per forward
+        """`[b, 1, q, N+kv]`: the prompt's columns in front of the text's mask, in the kernel's form; once per forward
         for each distinct text mask (layers share it)."""
         cache_key = (id(text_mask) if text_mask is not None else None, query.shape[2], key.shape[2], window, additive)
         if cache_key not in self._masks:
@@ -86,7 +86,7 @@ class PromptKV:
         return self._masks[cache_key]
 
     def blocked(self, mask: torch.Tensor) -> torch.Tensor:
-        """`~mask` as `[b, 1, 1, q, M+kv]`, for the split form's grouped scores; once per forward."""
+        """`~mask` as `[b, 1, 1, q, N+kv]`, for the split form's grouped scores; once per forward."""
         cache_key = ("blocked", id(mask))
         if cache_key not in self._masks:
             self._masks[cache_key] = ~mask[:, :, None]
@@ -102,14 +102,14 @@ class PromptKV:
         else:
             text = text_mask == 0 if additive else text_mask  # [b, 1, q, kv] True = attend
         lengths = self.lengths.to(device) if self.rows is None else self.row_lengths(batch, device)  # [1] or [B]
-        j = torch.arange(width, device=device)  # [M] prompt key index
-        prompt = j[None, None, None, :] < lengths[:, None, None, None]  # [b', 1, 1, M]
+        j = torch.arange(width, device=device)  # [N] prompt key index
+        prompt = j[None, None, None, :] < lengths[:, None, None, None]  # [b', 1, 1, N]
         if window:
             # Query t sits at absolute index length+t; prompt key j is inside its window when the distance is < W.
-            distance = lengths[:, None, None, None] + t[None, None, :, None] - j  # [b', 1, q, M]
+            distance = lengths[:, None, None, None] + t[None, None, :, None] - j  # [b', 1, q, N]
             prompt = prompt & (distance < window)
         rows = max(prompt.shape[0], text.shape[0])
-        allowed = torch.cat([prompt.expand(rows, 1, q, width), text.expand(rows, 1, q, kv)], dim=-1)  # [b, 1, q, M+kv]
+        allowed = torch.cat([prompt.expand(rows, 1, q, width), text.expand(rows, 1, q, kv)], dim=-1)  # [b, 1, q, N+kv]
         if not additive:
             return allowed
         zero = torch.zeros((), dtype=query.dtype, device=device)
@@ -155,7 +155,7 @@ def _attention_function(kernel_name: str) -> Callable:
             return kernel(module, query, key, value, attention_mask, **kwargs)
         if prompt_kv.capturing:
             # The first record stands: a checkpointed prompt pass records again when backward recomputes it.
-            prompt_kv.layers.setdefault(module, (key, value))  # [A, Hkv, M, hd] each
+            prompt_kv.layers.setdefault(module, (key, value))  # [A, Hkv, N, hd] each
             return kernel(module, query, key, value, attention_mask, **kwargs)
         if module not in prompt_kv.layers:
             raise RuntimeError(
@@ -167,7 +167,7 @@ def _attention_function(kernel_name: str) -> Callable:
         if not additive and _decoding(query, kwargs):
             return _split_attention(prompt_kv, query, (prompt_k, prompt_v), (key, value), mask, kwargs.get("scaling"))
         batch = query.shape[0]
-        key = torch.cat([prompt_kv.for_rows(prompt_k, batch).to(key.dtype), key], dim=2)  # [B, Hkv, M+kv, hd]
+        key = torch.cat([prompt_kv.for_rows(prompt_k, batch).to(key.dtype), key], dim=2)  # [B, Hkv, N+kv, hd]
         value = torch.cat([prompt_kv.for_rows(prompt_v, batch).to(value.dtype), value], dim=2)
         return kernel(module, query, key, value, mask, **kwargs)
 
@@ -183,8 +183,8 @@ def _split_attention(prompt_kv: PromptKV, query, prompt: tuple, text: tuple, mas
     """Softmax attention over `[prompt; text]` keys without building them: the prompt's scores come from one batched
     product of every row's queries with the single prompt copy (Hydragen's split); one softmax covers both parts.
 
-    `query` `[B, H, q, hd]`; `prompt` `[A, Hkv, M, hd]` pair; `text` `[B, Hkv, kv, hd]` pair; `mask` bool
-    `[b, 1, q, M+kv]`. Returns the kernel's `([B, q, H, hd], None)`.
+    `query` `[B, H, q, hd]`; `prompt` `[A, Hkv, N, hd]` pair; `text` `[B, Hkv, kv, hd]` pair; `mask` bool
+    `[b, 1, q, N+kv]`. Returns the kernel's `([B, q, H, hd], None)`.
     """
     (prompt_k, prompt_v), (key, value) = prompt, text
     batch, heads, q, dim = query.shape
@@ -200,7 +200,7 @@ def _split_attention(prompt_kv: PromptKV, query, prompt: tuple, text: tuple, mas
 
     scale = scaling if scaling is not None else dim**-0.5
     scores = torch.cat([times_prompt(grouped, prompt_k.transpose(-1, -2)), grouped @ key.transpose(-1, -2)], dim=-1)
-    scores = scores.view(batch, kv_heads, -1, q, scores.shape[-1])  # [B, Hkv, G, q, M+kv]
+    scores = scores.view(batch, kv_heads, -1, q, scores.shape[-1])  # [B, Hkv, G, q, N+kv]
     # The dtype's lowest value, not -inf, as in eager attention: a query that may attend to nothing (a left pad of
     # a row without a prompt) gets finite weights instead of NaN that its value would spread.
     scores = scores.float().mul_(scale).masked_fill_(prompt_kv.blocked(mask), torch.finfo(torch.float32).min)

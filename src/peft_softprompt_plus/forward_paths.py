@@ -102,17 +102,17 @@ class _HandBack(torch.autograd.Function):
 
 
 def prompt_pass(model: nn.Module, row_prompts: RowPrompts, in_text: int) -> tuple[attention.PromptKV, torch.Tensor]:
-    """Run the shared prompt positions once, one row per prompt: `[A, M, D]`, right-padded to the longest.
+    """Run the shared prompt positions once, one row per prompt: `[A, N, D]`, right-padded to the longest.
 
     Under causal attention a prompt position never sees the text, so its keys/values are the same for every row that
     reads it. Returns the recorded `PromptKV` and each prompt's last output `[A, D]` (it predicts text token 0).
     """
     shared = [p[: p.shape[0] - in_text] for p in row_prompts.prompts]
     width = max(p.shape[0] for p in shared)
-    stack = torch.stack([nn.functional.pad(p, (0, 0, 0, width - p.shape[0])) for p in shared])  # [A, M, D]
+    stack = torch.stack([nn.functional.pad(p, (0, 0, 0, width - p.shape[0])) for p in shared])  # [A, N, D]
     lengths = torch.tensor([p.shape[0] for p in shared], device=stack.device)  # [A]
     record = attention.PromptKV(lengths=lengths, rows=row_prompts.rows, capturing=True)
-    pos = torch.arange(width, device=stack.device).expand(len(shared), width)  # [A, M]
+    pos = torch.arange(width, device=stack.device).expand(len(shared), width)  # [A, N]
     # Reentrant checkpointing runs a layer's forward without autograd, which would cut the keys/values it records
     # from the prompt; other checkpointing recomputes the pass in backward like the text's.
     layers = [layer for layer in _checkpointed_layers(model) if _reentrant(layer)]
@@ -120,7 +120,7 @@ def prompt_pass(model: nn.Module, row_prompts: RowPrompts, in_text: int) -> tupl
         out = model.base_model(inputs_embeds=stack, position_ids=pos, use_cache=False, **{attention.KWARG: record})
     if not record.layers:
         raise RuntimeError(f"{type(model).__name__}'s attention never ran through the attention registry.")
-    hidden = out.last_hidden_state  # [A, M, D]
+    hidden = out.last_hidden_state  # [A, N, D]
     return record.at(0), hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]  # [A, D]
 
 

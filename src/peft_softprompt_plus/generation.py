@@ -53,7 +53,7 @@ def _same(kept: torch.Tensor, prompt: torch.Tensor) -> bool:
 
 
 def _inputs(model: nn.Module, num_prompt: int, args: tuple, kwargs: dict):
-    """The call's token ids and `[B, T]` mask, checked; `kwargs` keeps the rest."""
+    """The call's token ids and `[B, L]` mask, checked; `kwargs` keeps the rest."""
     if args:
         kwargs["input_ids"] = args[0]
     input_ids = kwargs.pop("input_ids", None)
@@ -74,7 +74,7 @@ def _inputs(model: nn.Module, num_prompt: int, args: tuple, kwargs: dict):
     batch, length = input_ids.shape
     validation.check_mask(kwargs.get("attention_mask"), batch, length)
     validation.check_generate_fits(model, num_prompt, length, kwargs)
-    mask = semantics.text_mask(kwargs.pop("attention_mask", None), batch, length, input_ids.device)  # [B, T]
+    mask = semantics.text_mask(kwargs.pop("attention_mask", None), batch, length, input_ids.device)  # [B, L]
     return input_ids, mask
 
 
@@ -104,7 +104,7 @@ def generate(model: nn.Module, prompt_kv: attention.PromptKV, args: tuple, kwarg
         return model.generate(
             input_ids=input_ids,
             attention_mask=mask,
-            position_ids=semantics.positions(mask, offsets),  # [B, T]; generate extends them by one a step
+            position_ids=semantics.positions(mask, offsets),  # [B, L]; generate extends them by one a step
             **kwargs,
         )
 
@@ -115,11 +115,11 @@ def generate_concat(model: nn.Module, prompt: torch.Tensor, args: tuple, kwargs:
     kwargs = dict(kwargs)
     num_prompt = prompt.shape[0]
     input_ids, mask = _inputs(model, num_prompt, args, kwargs)
-    embeds = model.get_input_embeddings()(input_ids)  # [B, T, D]
+    embeds = model.get_input_embeddings()(input_ids)  # [B, L, D]
     head = prompt.to(embeds.dtype).unsqueeze(0).expand(input_ids.shape[0], -1, -1)  # [B, N, D]
     return model.generate(
         input_ids=input_ids,
-        inputs_embeds=torch.cat([head, embeds], dim=1),  # [B, N+T, D]
-        attention_mask=semantics.extended_mask(mask, num_prompt),  # [B, N+T]
+        inputs_embeds=torch.cat([head, embeds], dim=1),  # [B, N+L, D]
+        attention_mask=semantics.extended_mask(mask, num_prompt),  # [B, N+L]
         **kwargs,
     )
