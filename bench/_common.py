@@ -29,6 +29,7 @@ from transformers import BitsAndBytesConfig, GPT2Config, GPT2LMHeadModel  # noqa
 
 import peft_softprompt_plus  # noqa: E402,F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig  # noqa: E402
+from peft_softprompt_plus.tiny import tiny_config  # noqa: E402
 
 MB = 2**20
 
@@ -59,19 +60,7 @@ class Shape:
     length: int = 128
 
     def config(self) -> GPT2Config:
-        return GPT2Config(
-            vocab_size=self.vocab,
-            n_positions=1024,
-            n_embd=self.n_embd,
-            n_layer=self.n_layer,
-            n_head=self.n_head,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=1,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
+        return tiny_config(self.vocab, n_positions=1024, n_embd=self.n_embd, n_layer=self.n_layer, n_head=self.n_head)
 
     def base(self, checkpointing: bool = False) -> GPT2LMHeadModel:
         torch.manual_seed(0)
