@@ -63,7 +63,10 @@ def test_path_is_the_attention_where_the_family_allows_it(family):
     attn = model.config._attn_implementation
     assert attn.startswith("softprompt_plus_") is (family not in CONCAT_ONLY)
     own = tiny_family(family, VOCAB).config._attn_implementation
-    assert model.unload().config._attn_implementation == own  # the model's own setting comes back
+    with model.disable_adapter():
+        assert model.config._attn_implementation == own  # a disabled adapter hands the model's own setting back
+    assert model.config._attn_implementation == attn
+    assert model.unload().config._attn_implementation == own  # and so does unload
 
 
 @pytest.mark.parametrize("checkpointing", [None, "non_reentrant", "reentrant"])
