@@ -146,6 +146,9 @@ def fsdp2_sharded(model: nn.Module) -> bool:
     """Whether FSDP2 `fully_shard` wraps a module inside `model`. Its pre-forward rebuilds every dataclass argument
     that holds grad-requiring tensors, so each sharded block would record the prompt's keys/values into a copy of
     the prompt pass's `PromptKV`, and its backward can't regather the blocks' weights for that pass."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()  # `fully_shard` needs it
+    if not distributed:  # the common case costs no walk over the modules on the forward path
+        return False
     fsdp_module = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
     return fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules())
 
