@@ -142,6 +142,20 @@ def attention_supported(model: nn.Module) -> bool:
     return True
 
 
+OUTSIDE_REGISTRY = "it computes attention outside transformers' attention registry"
+FSDP2_BLOCKS = "FSDP2 `fully_shard` wraps its blocks"
+
+
+def shared_kv_refused(model: nn.Module, reason: str) -> ValueError:
+    """The error for `forward_path='shared_kv'` on a model whose attention layers can't read the prompt's keys/values
+    (`reason`: OUTSIDE_REGISTRY at attach, FSDP2_BLOCKS at forward)."""
+    return ValueError(
+        f"`forward_path`='shared_kv' needs a model whose attention layers read the prompt's keys/values through "
+        f"transformers' attention registry; {type(model).__name__} can't, since {reason}. Use forward_path='auto' "
+        "(it concatenates here) or 'concat'."
+    )
+
+
 def fsdp2_sharded(model: nn.Module) -> bool:
     """Whether FSDP2 `fully_shard` wraps a module inside `model`. Its pre-forward rebuilds every dataclass argument
     that holds grad-requiring tensors, so each sharded block would record the prompt's keys/values into a copy of

@@ -16,12 +16,8 @@ def _uses_attention(tuner, route: routing.Route) -> bool:
     paths = {tuner.peft_config[a].forward_path for a in route.adapters}
     sharded = tuner._attention_path and forward_paths.fsdp2_sharded(tuner.model)  # `fully_shard` runs after attach
     if ForwardPath.SHARED_KV.value in paths and (sharded or not tuner._attention_path):
-        reason = "FSDP2 `fully_shard` wraps its blocks" if sharded else "it computes attention outside the registry"
-        raise ValueError(
-            f"`forward_path`='shared_kv' needs a model whose attention layers read the prompt's keys/values through "
-            f"transformers' attention registry; {type(tuner.model).__name__} can't, since {reason}. Use "
-            "forward_path='auto' (it concatenates here) or 'concat'."
-        )
+        reason = forward_paths.FSDP2_BLOCKS if sharded else forward_paths.OUTSIDE_REGISTRY
+        raise forward_paths.shared_kv_refused(tuner.model, reason)
     if sharded:
         attention.log_once(
             "FSDP2 `fully_shard` wraps blocks of this model: the soft prompt is concatenated to every row "

@@ -84,11 +84,7 @@ class SoftPromptPlusModel(BaseTuner):
         trainable = adapter_name in self.active_adapters and not config.inference_mode
         try:
             if config.forward_path == ForwardPath.SHARED_KV and not self._attention_path:
-                raise ValueError(
-                    f"`forward_path`='shared_kv' needs a model whose attention runs through transformers' attention "
-                    f"registry; {type(model).__name__} computes its own. Use forward_path='auto' (it concatenates on "
-                    "this model) or 'concat'."
-                )
+                raise forward_paths.shared_kv_refused(model, forward_paths.OUTSIDE_REGISTRY)
             values = initial_prompt(config, model.get_input_embeddings(), model.config)
             self.prompt_bank.add(adapter_name, values.to(model.get_input_embeddings().weight.device), trainable)
             self.prompt_bank._active_adapter = list(self.active_adapters)
