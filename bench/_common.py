@@ -58,6 +58,8 @@ class Shape:
     vocab: int
     batch: int = 16
     length: int = 128
+    pad_id: int = 1
+    first_id: int = 2  # the lowest id that is not a special token
 
     def config(self) -> GPT2Config:
         return tiny_config(self.vocab, n_positions=1024, n_embd=self.n_embd, n_layer=self.n_layer, n_head=self.n_head)
@@ -71,7 +73,7 @@ class Shape:
 
     def ids(self, seed: int = 1) -> torch.Tensor:
         gen = torch.Generator().manual_seed(seed)
-        return torch.randint(2, self.vocab, (self.batch, self.length), generator=gen)  # [B, L]
+        return torch.randint(self.first_id, self.vocab, (self.batch, self.length), generator=gen)  # [B, L]
 
     def replace(self, **changes) -> Shape:
         return dataclasses.replace(self, **changes)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import dataclass, field
+from typing import Optional
 
 import _common as c
 import _memory as mem
 import torch
 
-PAD_ID = 1
 NEW_TOKENS = 32
 GEN_PROMPTS = 8
 # Targets: train PEFT/ours and ours/floor per (checkpointing, N); step peak memory ours/PEFT at N=100;
@@ -27,7 +28,20 @@ GENERATE = "<= 1.10"
 EXACT = "<= 1e-05"
 
 
-def bench_train(shape: c.Shape, n: int, checkpointing: bool, reps: int, warmup: int, rows: list[c.Row]) -> None:
+@dataclass(frozen=True)
+class Targets:
+    """Per (checkpointing, N): PEFT/ours and ours/floor; step memory ours/PEFT at N=100; generate ours/base, N=100."""
+
+    speedup: dict = field(default_factory=lambda: SPEEDUP)
+    over_floor: dict = field(default_factory=lambda: OVER_FLOOR)
+    memory: Optional[str] = MEMORY
+    generate: Optional[str] = GENERATE
+    exact: str = EXACT
+
+
+def bench_train(
+    shape: c.Shape, n: int, checkpointing: bool, reps: int, warmup: int, rows: list[c.Row], targets=Targets()
+) -> None:
     tag = f"{shape.name} N={n} ckpt={'on' if checkpointing else 'off'}"
     ids = shape.ids()
     model = c.ours(shape.base(checkpointing), n).train()
@@ -41,8 +55,8 @@ def bench_train(shape: c.Shape, n: int, checkpointing: bool, reps: int, warmup: 
     grad_rel = ((prompt.grad - c.peft_prompt(ref).grad).norm() / c.peft_prompt(ref).grad.norm()).item()
     loss_diff = abs(loss.item() - ref_loss.item())
     print(f"  [{tag}] ours vs PEFT: |loss diff| {loss_diff:.1e}, prompt-grad rel diff {grad_rel:.1e}", flush=True)
-    rows.append(c.Row(f"{tag}: |loss ours - PEFT|", loss_diff, target=EXACT, fmt="{:.1e}"))
-    rows.append(c.Row(f"{tag}: prompt grad rel diff ours vs PEFT", grad_rel, target=EXACT, fmt="{:.1e}"))
+    rows.append(c.Row(f"{tag}: |loss ours - PEFT|", loss_diff, target=targets.exact, fmt="{:.1e}"))
+    rows.append(c.Row(f"{tag}: prompt grad rel diff ours vs PEFT", grad_rel, target=targets.exact, fmt="{:.1e}"))
 
     steps = {
         "ours": c.train_step(model, ids, [prompt]),
@@ -53,10 +67,16 @@ def bench_train(shape: c.Shape, n: int, checkpointing: bool, reps: int, warmup: 
     for name, t in times.items():
         print(f"  [{tag}] {name:<6} {t.line()}", flush=True)
     rows.append(
-        c.Row(f"{tag}: train step PEFT / ours", *c.ratio(times, "peft", "ours"), SPEEDUP.get((checkpointing, n)))
+        c.Row(
+            f"{tag}: train step PEFT / ours", *c.ratio(times, "peft", "ours"), targets.speedup.get((checkpointing, n))
+        )
     )
     rows.append(
-        c.Row(f"{tag}: train step ours / floor", *c.ratio(times, "ours", "floor"), OVER_FLOOR.get((checkpointing, n)))
+        c.Row(
+            f"{tag}: train step ours / floor",
+            *c.ratio(times, "ours", "floor"),
+            targets.over_floor.get((checkpointing, n)),
+        )
     )
     rows.append(c.Row(f"{tag}: train step ours, ms (context)", 1e3 * times["ours"].med(), fmt="{:.0f}"))
     if n == 100:
@@ -64,18 +84,20 @@ def bench_train(shape: c.Shape, n: int, checkpointing: bool, reps: int, warmup: 
             name: mem.step_peak(step, m) for (name, step), m in zip(steps.items(), (model, ref, floor), strict=True)
         }
         print("  [" + tag + "] step peak MB: " + ", ".join(f"{k} {v / c.MB:.1f}" for k, v in peaks.items()))
-        rows.append(c.Row(f"{tag}: step peak memory ours / PEFT", peaks["ours"] / peaks["peft"], target=MEMORY))
+        rows.append(
+            c.Row(f"{tag}: step peak memory ours / PEFT", peaks["ours"] / peaks["peft"], target=targets.memory)
+        )
         rows.append(c.Row(f"{tag}: step peak memory floor / PEFT (context)", peaks["floor"] / peaks["peft"]))
 
 
-def _gen_inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gen_inputs(shape: c.Shape) -> tuple[torch.Tensor, torch.Tensor]:
     """8 prompts of 8-32 tokens, left-padded: `[8, T]` ids and mask."""
     gen = torch.Generator().manual_seed(2)
     lengths = torch.randint(8, 33, (GEN_PROMPTS,), generator=gen).tolist()
-    ids = torch.full((GEN_PROMPTS, max(lengths)), PAD_ID, dtype=torch.long)
+    ids = torch.full((GEN_PROMPTS, max(lengths)), shape.pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, length in enumerate(lengths):
-        ids[i, -length:] = torch.randint(2, vocab, (length,), generator=gen)
+        ids[i, -length:] = torch.randint(shape.first_id, shape.vocab, (length,), generator=gen)
         mask[i, -length:] = 1
     return ids, mask
 
@@ -90,8 +112,8 @@ def _cache_bytes_per_row(model, ids, mask) -> float:
     return sum(x.keys.nbytes + x.values.nbytes for x in layers) / ids.shape[0]
 
 
-def bench_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row]) -> None:
-    ids, mask = _gen_inputs(shape.vocab)
+def bench_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row], targets=Targets()) -> None:
+    ids, mask = _gen_inputs(shape)
     base = shape.base().eval()
     cache_bytes = {}
     for n in (20, 100):
@@ -109,7 +131,7 @@ def bench_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row]) ->
             print(f"  [{tag}] {name:<6} {t.line()}", flush=True)
         rows.append(c.Row(f"{tag}: tokens equal the concatenation path", float(same), target=">= 1", fmt="{:.0f}"))
         rows.append(
-            c.Row(f"{tag}: ours / base model", *c.ratio(times, "ours", "base"), GENERATE if n == 100 else None)
+            c.Row(f"{tag}: ours / base model", *c.ratio(times, "ours", "base"), targets.generate if n == 100 else None)
         )
     with torch.no_grad():
         base_bytes = _cache_bytes_per_row(base, ids, mask)

