@@ -67,3 +67,55 @@ def test_text_with_a_foreign_tokenizer_is_explained(make_base, tokenizer, tmp_pa
             prompt_init_text="x",
             tokenizer_name_or_path=str(tmp_path / "nope"),
         )
+
+
+def test_labels_are_sub_token_means_then_frequent_tokens(make_base, tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    model = make_base()
+    wte = model.transformer.wte.weight.detach()
+    labels = [" red", " purple yellow"]  # one and several sub-tokens
+    prompt = init(
+        model,
+        num_virtual_tokens=6,
+        prompt_init="labels",
+        prompt_init_labels=labels,
+        tokenizer_name_or_path=str(tmp_path),
+        init_seed=0,
+    )
+    assert prompt.shape == (6, 64) and prompt.dtype == torch.float32
+    for row, label in enumerate(labels):
+        ids = tokenizer(label, add_special_tokens=False)["input_ids"]
+        torch.testing.assert_close(prompt[row], wte[ids].mean(dim=0))
+    rest = [(wte == row).all(dim=1).nonzero().flatten().tolist() for row in prompt[2:]]
+    picked = [r[0] for r in rest]
+    assert all(len(r) == 1 for r in rest) and len(set(picked)) == 4  # distinct vocabulary rows
+    assert not set(picked) & {0, 1}  # never a special token
+    again = init(
+        model,
+        num_virtual_tokens=6,
+        prompt_init="labels",
+        prompt_init_labels=labels,
+        tokenizer_name_or_path=str(tmp_path),
+        init_seed=0,
+    )
+    assert torch.equal(prompt, again)  # seeded
+    capped = init(
+        model,
+        num_virtual_tokens=1,
+        prompt_init="labels",
+        prompt_init_labels=labels,
+        tokenizer_name_or_path=str(tmp_path),
+    )
+    torch.testing.assert_close(capped[0], prompt[0])  # labels past N are not used
+
+
+def test_labels_with_a_foreign_tokenizer_are_explained(make_base, tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 10"):
+        init(
+            make_base(vocab_size=10),
+            num_virtual_tokens=3,
+            prompt_init="labels",
+            prompt_init_labels=[" green"],
+            tokenizer_name_or_path=str(tmp_path),
+        )

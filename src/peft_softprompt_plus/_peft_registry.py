@@ -65,6 +65,7 @@ def softprompt_plus_save_pretrained(self, save_directory, *args, is_main_process
 
     def write_into(staging: str):
         result = save(self, staging, *args, is_main_process=True, **kwargs)
+        saving.write_beside(self, staging, kwargs.get("state_dict"))  # a residual encoder, to resume training
         model_card.write_model_card(self, staging, adapter_ref=os.fspath(save_directory))
         return result
 
@@ -100,11 +101,16 @@ def softprompt_plus_from_pretrained(cls, model, model_id, *args, **kwargs):
 
 
 def softprompt_plus_load_adapter(self, model_id, adapter_name: str, *args, **kwargs):
-    """A local adapter folder is checked before PEFT adds anything to the model."""
+    """A local adapter folder is checked before PEFT adds anything to the model; a trainable load of a residual
+    adapter reads the encoder saved beside it."""
+    load = _original(PeftModel, "load_adapter")
+    if not _is_ours(self):
+        return load(self, model_id, adapter_name, *args, **kwargs)
     folder = os.path.join(os.fspath(model_id), kwargs.get("subfolder") or "") if _is_path(model_id) else None
-    if _is_ours(self) and folder is not None and os.path.isdir(folder):
+    if folder is not None and os.path.isdir(folder):
         loading.check_folder(folder, self.get_base_model())
-    return _original(PeftModel, "load_adapter")(self, model_id, adapter_name, *args, **kwargs)
+    with loading.loading_from(self.base_model, model_id, kwargs):
+        return load(self, model_id, adapter_name, *args, **kwargs)
 
 
 def softprompt_plus_set_adapter(self, adapter_name, *args, **kwargs):
@@ -154,7 +160,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(PeftModel, "push_to_hub", softprompt_plus_push_to_hub, "transformers' push replaces our model card"),
     Patch(PeftModel, "create_or_update_model_card", softprompt_plus_create_or_update_model_card, "our card section"),
     Patch(PeftModel, "from_pretrained", softprompt_plus_from_pretrained, "diagnose files; roll back", True),
-    Patch(PeftModel, "load_adapter", softprompt_plus_load_adapter, "diagnose damaged files first"),
+    Patch(PeftModel, "load_adapter", softprompt_plus_load_adapter, "diagnose damaged files; resume an encoder"),
     Patch(PeftModel, "set_adapter", softprompt_plus_set_adapter, "name errors that list the adapters"),
     Patch(PeftModel, "delete_adapter", softprompt_plus_delete_adapter, "never the last adapter"),
     Patch(peft.mapping_func, "get_peft_model", softprompt_plus_get_peft_model, "a clear error for a non-module"),

@@ -22,11 +22,12 @@ from . import (
     loading,
     precision,
     prompted,
+    reparam,
     saving,
     tying,
     validation,
 )
-from ._names import BANK, PREFIX, SAVED_KEY
+from ._names import BANK, PREFIX, SAVED_KEY, encoder_state
 from .config import ForwardPath
 from .prompt_bank import SoftPromptBank
 from .prompt_init import initial_prompt
@@ -85,8 +86,11 @@ class SoftPromptPlusModel(BaseTuner):
         try:
             if config.forward_path == ForwardPath.SHARED_KV and not self._attention_path:
                 raise forward_paths.shared_kv_refused(model, forward_paths.OUTSIDE_REGISTRY)
-            values = initial_prompt(config, model.get_input_embeddings(), model.config)
-            self.prompt_bank.add(adapter_name, values.to(model.get_input_embeddings().weight.device), trainable)
+            embedding = model.get_input_embeddings()
+            values = initial_prompt(config, embedding, model.config)
+            # An inference-mode adapter is a folded table (what save_pretrained writes): it needs no encoder.
+            encoder = None if config.inference_mode else reparam.encoder_for(config, embedding)
+            self.prompt_bank.add(adapter_name, values.to(embedding.weight.device), trainable, encoder)
             self.prompt_bank._active_adapter = list(self.active_adapters)
             set_additional_trainable_modules(
                 model=model,
@@ -105,8 +109,9 @@ class SoftPromptPlusModel(BaseTuner):
 
     def _roll_back(self, model: nn.Module, adapter_name: str) -> None:
         """A failed attach leaves the base as it came: no half-added prompt, original `requires_grad` flags."""
-        if adapter_name in self.prompt_bank.prompts:
-            del self.prompt_bank.prompts[adapter_name]
+        for table in (self.prompt_bank.prompts, self.prompt_bank.encoders):
+            if adapter_name in table:
+                del table[adapter_name]
         if not self.prompt_bank.prompts:
             attention.uninstall(model, self._own_attention)
             for name, param in model.named_parameters():
@@ -209,16 +214,18 @@ class SoftPromptPlusModel(BaseTuner):
         return self.active_adapters[0]
 
     def prompt(self, adapter_name: Optional[str] = None) -> nn.Parameter:
-        """The float32 `[N, D]` prompt of `adapter_name` (default: the active adapter): the leaf to optimize."""
+        """The float32 `[N, D]` prompt of `adapter_name` (default: the active adapter): the leaf to optimize (with
+        `reparameterization='residual'`, the raw prompt its encoder reads; the encoder trains too)."""
         name = adapter_name if adapter_name is not None else self.active_adapters[0]
         if name not in self.prompt_bank.prompts:
             raise ValueError(f"`adapter_name`={name!r} does not exist; adapters: {list(self.prompt_bank.prompts)}.")
         return self.prompt_bank.prompts[name]
 
     def prompt_for_use(self, adapter_name: str) -> torch.Tensor:
-        """The float32 leaf cast to the embedding's dtype/device at the point of use: its gradient stays float32."""
+        """The prompt the model reads (the leaf, or its encoder's output), cast to the embedding's dtype/device at
+        the point of use: its gradient stays float32."""
         weight = self.model.get_input_embeddings().weight
-        return self.prompt_bank.prompts[adapter_name].to(device=weight.device, dtype=weight.dtype)  # [N, D]
+        return self.prompt_bank.values(adapter_name).to(device=weight.device, dtype=weight.dtype)  # [N, D]
 
     @contextlib.contextmanager
     def _enable_peft_forward_hooks(self, *args, **kwargs):
@@ -243,7 +250,11 @@ class SoftPromptPlusModel(BaseTuner):
         found = next((v for k, v in state_dict.items() if k.endswith(suffix)), None)
         if found is None:
             return {}
-        return {SAVED_KEY: saving.full_prompt(found, config.num_virtual_tokens, adapter_name)}
+        prompt = saving.full_prompt(found, config.num_virtual_tokens, adapter_name)
+        encoder = encoder_state(state_dict, adapter_name)
+        if encoder:  # the adapter is the folded table: loaders and serving engines see a plain prompt
+            prompt = reparam.fold(prompt, encoder, config.residual_layer_norm)
+        return {SAVED_KEY: prompt}
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
@@ -263,4 +274,9 @@ class SoftPromptPlusModel(BaseTuner):
             raise loading.AdapterFileError(problem)
         remapped = {k: v for k, v in state_dict.items() if k not in saved}
         remapped.update({f"{bank_name}.softprompt_plus_prompt.{adapter_name}": state_dict[k] for k in saved})
+        try:  # training on from a reparameterised adapter: the raw prompt and encoder saved beside the folded table
+            remapped.update(loading.resume_state(tuner, bank_name, adapter_name))
+        except loading.AdapterFileError:
+            tuner._abandon_load(adapter_name)
+            raise
         return remapped
