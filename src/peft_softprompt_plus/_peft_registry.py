@@ -115,14 +115,9 @@ def softprompt_plus_set_adapter(self, adapter_name, *args, **kwargs):
 
 
 def softprompt_plus_delete_adapter(self, adapter_name):
-    """Ours: an existing name, and never the last adapter (PeftModel can't live without one)."""
+    """Ours: one existing name, PEFT's message with the adapter list (the last one may go, as in PEFT)."""
     if _is_ours(self):
         routing.check_adapter_name(adapter_name, list(self.peft_config), "delete_adapter")
-        if list(self.peft_config) == [adapter_name]:
-            raise ValueError(
-                f"`adapter_name`={adapter_name!r} is the model's last adapter; a PeftModel can't live without one. "
-                "Call `model.unload()` to get the base model back, or add another adapter first."
-            )
     return _original(PeftModel, "delete_adapter")(self, adapter_name)
 
 
@@ -156,7 +151,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(PeftModel, "from_pretrained", softprompt_plus_from_pretrained, "diagnose files; roll back", True),
     Patch(PeftModel, "load_adapter", softprompt_plus_load_adapter, "diagnose damaged files first"),
     Patch(PeftModel, "set_adapter", softprompt_plus_set_adapter, "name errors that list the adapters"),
-    Patch(PeftModel, "delete_adapter", softprompt_plus_delete_adapter, "never the last adapter"),
+    Patch(PeftModel, "delete_adapter", softprompt_plus_delete_adapter, "name errors that list the adapters"),
     Patch(peft.mapping_func, "get_peft_model", softprompt_plus_get_peft_model, "a clear error for a non-module"),
     Patch(peft, "get_peft_model", softprompt_plus_get_peft_model, "the same function, as `from peft import` sees it"),
 )
