@@ -215,3 +215,24 @@ def test_unknown_adapter_messages_start_with_peft_s_own(make_base, make_peft, me
         getattr(make_peft(), method)("unknown-adapter")
     assert str(ours.value).startswith(str(theirs.value).rstrip("."))  # PEFT's tests match on its sentence
     assert "adapters: ['default']" in str(ours.value)
+
+
+def test_the_0_1_accessor_still_reaches_the_prompt_with_a_deprecation_warning(make_peft, tmp_path):
+    model = make_peft()
+    model.add_adapter("other", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, init_seed=1))
+    keys, params = list(model.state_dict()), [n for n, _ in model.named_parameters()]
+    modules = [n for n, _ in model.named_modules()]
+    with pytest.warns(DeprecationWarning, match=r"removed in 0\.4\.0; use `model\.base_model\.prompt\(name\)`") as w:
+        legacy = model.base_model.softprompt_plus.prompt
+    assert w[0].filename == __file__  # points at the caller's line
+    assert legacy is model.base_model.prompt_bank.prompts
+    assert [legacy[n] is model.base_model.prompt(n) for n in ("default", "other")] == [True, True]
+    with pytest.warns(DeprecationWarning):
+        assert model.softprompt_plus.prompt["default"] is legacy["default"]  # through PEFT's attribute forwarding
+    # Nothing new is registered: state dict, parameters, modules and the saved file are as before.
+    assert list(model.state_dict()) == keys and [n for n, _ in model.named_parameters()] == params
+    assert [n for n, _ in model.named_modules()] == modules
+    model.save_pretrained(tmp_path)
+    assert set(load_file(tmp_path / "adapter_model.safetensors")) == {"base_model.softprompt_plus.prompt"}
+    with pytest.raises(AttributeError):  # nn.Module's own attribute errors are untouched
+        getattr(model.base_model, "softprompt_plus_nope")  # noqa: B009

@@ -6,6 +6,7 @@ PEFT calls into it as it would into LoRA; the prompt itself lives in a `SoftProm
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Optional
 
 import torch
@@ -29,7 +30,7 @@ from . import (
 )
 from ._names import BANK, PREFIX, SAVED_KEY
 from .config import ForwardPath
-from .prompt_bank import SoftPromptBank
+from .prompt_bank import LegacyBankView, SoftPromptBank
 from .prompt_init import initial_prompt
 from .tasks import task_of
 
@@ -227,6 +228,17 @@ class SoftPromptPlusModel(BaseTuner):
         if not isinstance(name, str) or name not in self.prompt_bank.prompts:
             raise routing.unknown_adapter(name, list(self.prompt_bank.prompts), "prompt")
         return self.prompt_bank.prompts[name]
+
+    @property
+    def softprompt_plus(self) -> LegacyBankView:
+        """Deprecated since 0.2 and removed in 0.4.0: `softprompt_plus.prompt[name]` is `prompt(name)`."""
+        warnings.warn(
+            "`model.base_model.softprompt_plus.prompt[name]` is deprecated and will be removed in 0.4.0; use "
+            "`model.base_model.prompt(name)`, the same float32 Parameter.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return LegacyBankView(self.prompt_bank)
 
     def prompt_for_use(self, adapter_name: str) -> torch.Tensor:
         """The float32 leaf cast to the embedding's dtype/device at the point of use: its gradient stays float32."""
