@@ -159,6 +159,8 @@ def test_deleting_the_last_adapter_leaves_the_base_model_as_peft_does(make_base,
     ids, mask = random_ids(2, 6), torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)  # stores a prompt pass
     assert is_installed(base.config) and model.base_model._kv_store._entries
+    attached_loss_type = base.loss_type  # GPT-2 has none; attached, it names the prompted loss
+    assert attached_loss_type != own_loss_type
 
     model.delete_adapter("default")
     assert model.active_adapters == [] and list(model.peft_config) == [] and not model.base_model.prompt_bank.prompts
@@ -187,11 +189,12 @@ def test_deleting_the_last_adapter_leaves_the_base_model_as_peft_does(make_base,
     # A new adapter brings the prompt back: our attention again, and PEFT prompt tuning's logits.
     model.add_adapter("again", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, init_seed=2))
     model.set_adapter("again")
-    assert is_installed(base.config) and base.loss_type == own_loss_type  # GPT-2's loss_type is None
+    assert is_installed(base.config) and base.loss_type == attached_loss_type
     expected = prompt_tuning_reference(make_base(seed=1), model.base_model.prompt("again").detach())
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, expected(input_ids=ids).logits[:, 3:])
-    assert model.unload() is base and base.config._attn_implementation == own_attention
+    assert model.unload() is base
+    assert (base.config._attn_implementation, base.loss_type) == (own_attention, own_loss_type)
 
 
 def test_an_adapter_added_after_the_last_was_deleted_is_probed(make_base, make_peft):
