@@ -21,6 +21,7 @@ _PUBLIC = {  # name -> the module that defines it
     "GradientFlowReport": "gradient_report",
     "GradientFlowWarning": "gradient_report",
     "check_gradient_flow": "gradient_flow",
+    "prompt_embeds": "serving",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 
