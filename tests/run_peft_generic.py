@@ -26,6 +26,8 @@ on tiny Hub models. This script runs those checks, unchanged, on `SoftPromptPlus
 Command (from a clean environment; PEFT's tests need `datasets`, `accelerate`, `pyyaml`, `scipy`, `pytest`):
 
     git clone --depth 1 --branch v0.21.2 https://github.com/huggingface/peft /tmp/peft   # or a nearby commit
+    # or, from the package index: PEFT's sdist holds tests/ without __init__.py and conftest.py (neither is needed)
+    pip download --no-deps --no-binary :all: peft==0.21.2 && tar xzf peft-0.21.2.tar.gz   # then peft-0.21.2/tests
     OMP_NUM_THREADS=1 python tests/run_peft_generic.py --peft-tests /tmp/peft/tests
 
 Options: `--peft-gates` keeps PEFT's own skip of the mixed-batch tests; `--work DIR` keeps the scratch folder
@@ -54,7 +56,10 @@ from pathlib import Path
 OUR_CONFIG_KWARGS = {"task_type": "CAUSAL_LM", "num_virtual_tokens": 4}
 
 # The files of PEFT's tests/ that test_decoder_models.py needs.
-PEFT_TEST_FILES = ("__init__.py", "conftest.py", "testing_common.py", "testing_utils.py", "test_decoder_models.py")
+PEFT_TEST_FILES = ("testing_common.py", "testing_utils.py", "test_decoder_models.py")
+# Copied when present; PEFT's sdist leaves them out. The package marker is then written empty, and PEFT's conftest
+# (a --regression option, transformers deprecations as errors) is not needed to run the generic tests.
+PEFT_OPTIONAL_FILES = ("__init__.py", "conftest.py")
 
 # Failures that follow from documented design decisions (docs/api.md, docs/many-tasks.md, docs/troubleshooting.md).
 # Key: the test function's name (expected for every model of the matrix); value: (a regex that the failure's full
@@ -399,8 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         tests = work / "tests"
         shutil.rmtree(tests, ignore_errors=True)
         tests.mkdir(parents=True)
-        for f in PEFT_TEST_FILES:
+        for f in PEFT_TEST_FILES + tuple(f for f in PEFT_OPTIONAL_FILES if (peft_tests / f).is_file()):
             shutil.copy(peft_tests / f, tests / f)
+        (tests / "__init__.py").touch()
         inject_our_config(tests / "test_decoder_models.py")
         if not args.peft_gates:
             widen_mixed_batch_gates(tests)
