@@ -23,6 +23,7 @@ _PUBLIC = {  # name -> the module that defines it
     "check_gradient_flow": "gradient_flow",
     "FetchError": "fetch",
     "fetch_checkpoint": "fetch",
+    "prompt_embeds": "serving",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

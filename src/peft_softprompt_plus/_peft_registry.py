@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,6 +53,23 @@ def _original(owner, name: str) -> Callable:
 
 
 # ---------------------------------------------------------------------------------------------- the replacements
+
+
+# PeftModel.__init__ reads `model.is_gradient_checkpointing` (peft_model.py:184 in 0.21.2), an alias transformers 5
+# deprecated with a FutureWarning, so every attach and load warned about a line of PEFT's. Hidden here, where PEFT
+# raises it (every constructor path and import order meets it: `get_peft_model`, `from_pretrained`, AutoPeftModel*),
+# for our adapters and that message only. catch_warnings swaps the process-wide filters while PEFT's __init__ runs.
+_PEFT_OWN_WARNING = r"`is_gradient_checkpointing` is deprecated"
+
+
+def softprompt_plus_peft_model_init(self, model, peft_config, *args, **kwargs):
+    """PEFT's own, without its deprecation warning for our adapters."""
+    init = _original(PeftModel, "__init__")
+    if getattr(peft_config, "peft_type", None) != METHOD:
+        return init(self, model, peft_config, *args, **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_PEFT_OWN_WARNING, category=FutureWarning)
+        return init(self, model, peft_config, *args, **kwargs)
 
 
 def softprompt_plus_save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
@@ -121,14 +139,9 @@ def softprompt_plus_set_adapter(self, adapter_name, *args, **kwargs):
 
 
 def softprompt_plus_delete_adapter(self, adapter_name):
-    """Ours: an existing name, and never the last adapter (PeftModel can't live without one)."""
+    """Ours: one existing name, PEFT's message with the adapter list (the last one may go, as in PEFT)."""
     if _is_ours(self):
         routing.check_adapter_name(adapter_name, list(self.peft_config), "delete_adapter")
-        if list(self.peft_config) == [adapter_name]:
-            raise ValueError(
-                f"`adapter_name`={adapter_name!r} is the model's last adapter; a PeftModel can't live without one. "
-                "Call `model.unload()` to get the base model back, or add another adapter first."
-            )
     return _original(PeftModel, "delete_adapter")(self, adapter_name)
 
 
@@ -156,13 +169,14 @@ class Patch:
 
 
 PATCHES: tuple[Patch, ...] = (
+    Patch(PeftModel, "__init__", softprompt_plus_peft_model_init, "PEFT's own deprecation warning, not the user's"),
     Patch(PeftModel, "save_pretrained", softprompt_plus_save_pretrained, "crash-safe save, our model card"),
     Patch(PeftModel, "push_to_hub", softprompt_plus_push_to_hub, "transformers' push replaces our model card"),
     Patch(PeftModel, "create_or_update_model_card", softprompt_plus_create_or_update_model_card, "our card section"),
     Patch(PeftModel, "from_pretrained", softprompt_plus_from_pretrained, "diagnose files; roll back", True),
     Patch(PeftModel, "load_adapter", softprompt_plus_load_adapter, "diagnose damaged files; resume an encoder"),
     Patch(PeftModel, "set_adapter", softprompt_plus_set_adapter, "name errors that list the adapters"),
-    Patch(PeftModel, "delete_adapter", softprompt_plus_delete_adapter, "never the last adapter"),
+    Patch(PeftModel, "delete_adapter", softprompt_plus_delete_adapter, "name errors that list the adapters"),
     Patch(peft.mapping_func, "get_peft_model", softprompt_plus_get_peft_model, "a clear error for a non-module"),
     Patch(peft, "get_peft_model", softprompt_plus_get_peft_model, "the same function, as `from peft import` sees it"),
 )

@@ -93,3 +93,15 @@ class SoftPromptBank(nn.Module, BaseTunerLayer):
             + (" (residual encoder)" if name in self.encoders else "")
             for name, p in self.prompts.items()
         )
+
+
+class LegacyBankView:
+    """What 0.1's `model.base_model.softprompt_plus` was, for code written against it: `.prompt[name]`, the same
+    Parameters as `prompts`. A plain object, not a module, so nothing is registered twice or saved under its name."""
+
+    def __init__(self, bank: SoftPromptBank) -> None:
+        self._bank = bank
+
+    @property
+    def prompt(self) -> nn.ParameterDict:
+        return self._bank.prompts
