@@ -186,6 +186,28 @@ def _source_file(source) -> Optional[str]:
         return None
 
 
+def remapped_for_load(tuner, bank_name: str, adapter_name: str, state_dict: dict) -> dict[str, torch.Tensor]:
+    """A saved adapter's state dict under the live model's names (PEFT's `_remap_adapter_state_dict_for_load`),
+    checked: an AdapterFileError names what doesn't fit."""
+    bank = getattr(tuner, BANK)
+    saved = [k for k in state_dict if k.endswith(SAVED_KEY)]
+    expected = tuple(bank.prompts[adapter_name].shape)
+    problems = [diagnose_prompt(state_dict[k], expected, "The saved adapter") for k in saved]
+    if not saved:
+        problems.append(
+            f"The adapter weights hold no soft prompt (no key ending in {SAVED_KEY!r}; found "
+            f"{sorted(state_dict)[:5]}): it is not a softprompt-plus adapter."
+        )
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise AdapterFileError(problem)
+    remapped = {k: v for k, v in state_dict.items() if k not in saved}
+    remapped.update({f"{bank_name}.softprompt_plus_prompt.{adapter_name}": state_dict[k] for k in saved})
+    # Training on from a reparameterised adapter: the raw prompt and encoder saved beside the folded table.
+    remapped.update(resume_state(tuner, bank_name, adapter_name))
+    return remapped
+
+
 def resume_state(tuner, bank_name: str, adapter_name: str) -> dict[str, torch.Tensor]:
     """State-dict entries that restore a reparameterised adapter's raw prompt and encoder for more training; `{}`
     for a plain one. Without the file beside the adapter, the folded table trains on as a plain prompt."""

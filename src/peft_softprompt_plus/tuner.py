@@ -283,25 +283,10 @@ class SoftPromptPlusModel(BaseTuner):
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
-        bank_name, bank = next((n, m) for n, m in model.named_modules() if isinstance(m, SoftPromptBank))
+        bank_name = next(n for n, m in model.named_modules() if isinstance(m, SoftPromptBank))
         tuner = next(m for m in model.modules() if isinstance(m, SoftPromptPlusModel))
-        saved = [k for k in state_dict if k.endswith(SAVED_KEY)]
-        expected = tuple(bank.prompts[adapter_name].shape)
-        problems = [loading.diagnose_prompt(state_dict[k], expected, "The saved adapter") for k in saved]
-        if not saved:
-            problems.append(
-                f"The adapter weights hold no soft prompt (no key ending in {SAVED_KEY!r}; found "
-                f"{sorted(state_dict)[:5]}): it is not a softprompt-plus adapter."
-            )
-        problem = next((p for p in problems if p), None)
-        if problem:
-            tuner._abandon_load(adapter_name)
-            raise loading.AdapterFileError(problem)
-        remapped = {k: v for k, v in state_dict.items() if k not in saved}
-        remapped.update({f"{bank_name}.softprompt_plus_prompt.{adapter_name}": state_dict[k] for k in saved})
-        try:  # training on from a reparameterised adapter: the raw prompt and encoder saved beside the folded table
-            remapped.update(loading.resume_state(tuner, bank_name, adapter_name))
+        try:
+            return loading.remapped_for_load(tuner, bank_name, adapter_name, state_dict)
         except loading.AdapterFileError:
             tuner._abandon_load(adapter_name)
             raise
-        return remapped
