@@ -35,7 +35,7 @@ from peft_softprompt_plus.fetch import fetch_checkpoint  # noqa: E402
 N = 20
 STEPS = 120
 BATCH = 16
-EVAL_AT = (15, 30, 60, 90, 120)
+EVAL_AT = (20, 40, 80, 120)
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "quality.jsonl")
 PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quality.png")
 REFERENCE = "ours-random"  # its training time at STEPS is the equal-time budget

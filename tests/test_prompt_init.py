@@ -119,3 +119,18 @@ def test_labels_with_a_foreign_tokenizer_are_explained(make_base, tokenizer, tmp
             prompt_init_labels=[" green"],
             tokenizer_name_or_path=str(tmp_path),
         )
+
+
+def test_inits_follow_what_the_embedding_module_outputs_even_when_it_scales():
+    # transformers 5's Gemma-2 multiplies its rows by sqrt(D) inside the embedding module: a prompt built from raw
+    # weight rows would start sqrt(D) = 8 times smaller than the text it sits beside.
+    from peft_softprompt_plus.tiny import tiny_family
+
+    model = tiny_family("gemma2", vocab_size=300)
+    embedding = model.get_input_embeddings()
+    outputs = embedding(torch.arange(300)).detach()  # [V, D], scaled
+    assert not torch.allclose(outputs, embedding.weight.detach())
+    vocab = init(model, num_virtual_tokens=8, prompt_init="vocab", init_seed=0)
+    assert all((outputs == row).all(dim=1).any() for row in vocab)
+    random = init(model, num_virtual_tokens=256, init_seed=0)
+    assert abs(random.std().item() / outputs.std().item() - 1) < 0.1

@@ -12,6 +12,7 @@ import torch
 from conftest import random_ids
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
+from test_families import reference_logits
 from transformers import Trainer
 
 from peft_softprompt_plus import SoftPromptPlusConfig, check_gradient_flow
@@ -48,18 +49,6 @@ def left_padded_batch(vocab=300):
     return ids, mask
 
 
-def concat_logits(base, prompt, ids, mask):
-    embeds = base.get_input_embeddings()(ids)
-    rows = ids.shape[0]
-    pos = torch.cat([torch.arange(N).expand(rows, -1), N + (mask.cumsum(1) - 1).clamp(min=0)], dim=1)
-    out = base(
-        inputs_embeds=torch.cat([prompt.expand(rows, -1, -1), embeds], dim=1),
-        attention_mask=torch.cat([torch.ones(rows, N, dtype=mask.dtype), mask], dim=1),
-        position_ids=pos,
-    )
-    return out.logits[:, N:]
-
-
 def test_the_encoder_starts_on_the_embeddings_scale_and_stays_float32():
     model = residual(residual_hidden=32)
     bank = model.base_model.prompt_bank
@@ -83,7 +72,7 @@ def test_every_family_reads_the_encoded_prompt(family):
     model = residual(tiny_family(family, vocab_size=300))
     ids, mask = left_padded_batch()
     out = model(input_ids=ids, attention_mask=mask).logits
-    ref = concat_logits(model.get_base_model(), folded(model), ids, mask)
+    ref = reference_logits(model.get_base_model(), folded(model), ids, mask)  # each row as if alone
     real = mask.bool()
     torch.testing.assert_close(out[real], ref[real], atol=1e-4, rtol=1e-4)
 

@@ -59,12 +59,10 @@ def test_the_base_model_fed_the_embeddings_computes_our_logits_and_tokens(family
             assert served.tolist() == generated[b, : served.shape[0]].tolist()
 
 
-@pytest.mark.xfail(strict=True, reason="left padding counts in sliding windows (found by this test; not fixed here)")
 @pytest.mark.parametrize("family", SLIDING)
-def test_a_left_padded_batch_moves_the_sliding_window(family):
-    # docs/serving.md: in a left-padded batch, a sliding-window layer measures the prompt-to-text distance in padded
-    # positions (as transformers does for the base model's own padded batches), so the padded rows' logits differ
-    # from the same row alone, which is what an engine computes. Passes once padding no longer counts there.
+def test_a_left_padded_batch_leaves_each_sliding_window_where_the_row_alone_has_it(family):
+    # docs/serving.md: a sliding-window layer measures the prompt-to-text distance with position ids, which count
+    # real tokens only, so a padded row's logits equal the same row alone, which is what an engine computes.
     model, engine = _prompted(family), tiny_family(family)
     ids, mask = _batch()
     with torch.no_grad():

@@ -20,16 +20,22 @@ def _generator(seed: Optional[int], device: torch.device) -> Optional[torch.Gene
     return torch.Generator(device=device).manual_seed(seed)
 
 
+@torch.no_grad()
 def _rows(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    # `index_select` allocates; `.float()` then makes sure we never hand back a view of `wte`.
-    return embedding.weight.detach().index_select(0, ids.to(embedding.weight.device)).float().clone()  # [N, D]
+    # The module, not its weight rows: Gemma's embedding scales its rows by sqrt(D) inside `forward`, and the prompt
+    # must look like what text tokens become. `.float().clone()`: never a view of `wte`.
+    return embedding(ids.to(embedding.weight.device)).float().clone()  # [N, D]
 
 
-def embedding_stats(weight: torch.Tensor) -> tuple[float, float]:
-    """Mean and std over all entries, in float64 chunks, so a low-precision `wte` is never copied whole."""
+@torch.no_grad()
+def embedding_stats(embedding: nn.Embedding) -> tuple[float, float]:
+    """Mean and std of what the embedding module outputs over the whole vocabulary, in float64 chunks, so a
+    low-precision `wte` is never copied whole."""
     total, total_sq, count = 0.0, 0.0, 0
-    for chunk in weight.detach().split(_STAT_CHUNK_ROWS):
-        chunk = chunk.double()
+    device = embedding.weight.device
+    for start in range(0, embedding.num_embeddings, _STAT_CHUNK_ROWS):
+        ids = torch.arange(start, min(start + _STAT_CHUNK_ROWS, embedding.num_embeddings), device=device)
+        chunk = embedding(ids).double()
         total += chunk.sum().item()
         total_sq += chunk.square().sum().item()
         count += chunk.numel()
@@ -40,7 +46,7 @@ def embedding_stats(weight: torch.Tensor) -> tuple[float, float]:
 def _random(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
     # PEFT's N(0, 1) is ~50x GPT-2's embedding scale; matching wte's statistics keeps the prompt on-manifold.
     n, dim = config.num_virtual_tokens, embedding.embedding_dim
-    mean, std = embedding_stats(embedding.weight)
+    mean, std = embedding_stats(embedding)
     device = embedding.weight.device
     noise = torch.randn(n, dim, generator=_generator(config.init_seed, device), device=device, dtype=torch.float32)
     return noise * std + mean  # [N, D]

@@ -35,7 +35,7 @@ def encoder_for(config, embedding: nn.Embedding) -> Optional[ResidualEncoder]:
     """The float32 encoder `config` asks for, on the embedding's device; None for a plain prompt."""
     if str(config.reparameterization) != "residual":
         return None
-    std = embedding_stats(embedding.weight)[1]
+    std = embedding_stats(embedding)[1]
     encoder = ResidualEncoder(embedding.embedding_dim, config.residual_hidden, config.residual_layer_norm, std)
     return encoder.to(device=embedding.weight.device, dtype=torch.float32)
 
