@@ -14,6 +14,7 @@ share the work and `report` reads whatever has finished.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -25,6 +26,7 @@ from typing import Callable, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import _common as c  # noqa: E402
 import torch  # noqa: E402
 from peft import LoraConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -226,9 +228,17 @@ def _score_at(record: dict, step: int) -> Optional[float]:
 
 
 def _score_within(record: dict, budget: float) -> Optional[float]:
-    """The last evaluated score whose training CPU time fits in `budget` seconds."""
-    inside = [s for c, s in zip(record["cpu"], record["score"], strict=True) if s is not None and c <= budget * 1.0001]
-    return inside[-1] if inside else None
+    """The score after `budget` seconds of training CPU time, interpolated linearly between evaluations (a run
+    that finishes sooner keeps its last score: no variant trains past STEPS)."""
+    points = [(c, s) for c, s in zip(record["cpu"], record["score"], strict=True) if s is not None]
+    if not points:
+        return None
+    if budget >= points[-1][0]:
+        return points[-1][1]
+    for (c0, s0), (c1, s1) in zip(points, points[1:], strict=False):
+        if c0 <= budget <= c1:
+            return s0 + (s1 - s0) * (budget - c0) / (c1 - c0)
+    return None  # the budget ends before its first evaluation
 
 
 def _fmt(values: list) -> str:
@@ -259,11 +269,50 @@ def cmd_report(args) -> None:
         step_text = f"{per_step:.2f}" if per_step else "–"
         lr = f"{rs[0]['lr']:g}" if VARIANTS[name].build else "–"
         print(f"| {name} | {lr} | {_fmt(final)} | {_fmt(timed)} | {step_text} | {VARIANTS[name].about} |")
-    _lr_table(groups)
+    spreads = _lr_table(groups)
     _curves(main, budget)
+    _targets(main, spreads)
 
 
-def _lr_table(groups) -> None:
+def _median_final(rs: list[dict]) -> Optional[float]:
+    finals = [s for s in (_score_at(r, STEPS) if r["steps"][-1] else r["score"][0] for r in rs) if s is not None]
+    return statistics.median(finals) if finals else None
+
+
+def _targets(main: dict, spreads: dict) -> None:
+    """Issue 20's targets, in points of held-out exact match (medians over seeds at step STEPS)."""
+    medians = {name: _median_final(rs) for name, rs in main.items()}
+    medians = {k: v for k, v in medians.items() if v is not None}
+    ours = {k: v for k, v in medians.items() if k.startswith("ours-") and "gain1" not in k}
+    peft_pt = {k: v for k, v in medians.items() if k.startswith("peft-pt-")}
+    rows = []
+    if ours and peft_pt:
+        best, best_peft = max(ours, key=ours.get), max(peft_pt, key=peft_pt.get)
+        gap = 100 * (ours[best] - peft_pt[best_peft])
+        rows.append(c.Row(f"best ours ({best}) - best PEFT PROMPT_TUNING ({best_peft}), points", gap, target=">= 5"))
+    if ours and "hard-3shot" in medians:
+        best = max(ours, key=ours.get)
+        rows.append(
+            c.Row(
+                f"best ours ({best}) - hard 3-shot, points", 100 * (ours[best] - medians["hard-3shot"]), target=">= 15"
+            )
+        )
+    if {"ours-residual", "ours-random"} <= medians.keys():
+        diff = 100 * (medians["ours-residual"] - medians["ours-random"])
+        rows.append(c.Row("residual - plain (random init), points", diff, target=">= 0"))
+    if {"ours-residual", "ours-random"} <= spreads.keys():
+        diff = spreads["ours-residual"] - spreads["ours-random"]
+        rows.append(c.Row("lr spread residual - plain, points (smaller is better)", diff, target="<= 0"))
+    if "peft-lora-r8" in medians and ours:
+        best = max(ours, key=ours.get)
+        rows.append(
+            c.Row(f"LoRA r=8 - best ours ({best}), points (context)", 100 * (medians["peft-lora-r8"] - ours[best]))
+        )
+    if rows:
+        c.print_table([dataclasses.replace(r, fmt="{:.1f}") for r in rows])
+
+
+def _lr_table(groups) -> dict[str, float]:
     by_variant = defaultdict(dict)
     for (name, lr), rs in groups.items():
         finals = [s for s in (_score_at(r, STEPS) for r in rs) if s is not None]
@@ -271,7 +320,8 @@ def _lr_table(groups) -> None:
             by_variant[name][lr] = finals
     swept = {n: lrs for n, lrs in by_variant.items() if len(lrs) > 2}
     if not swept:
-        return
+        return {}
+    spreads = {}
     print(f"\nlearning-rate sweep: held-out EM % at step {STEPS}, median over seeds; spread = max - min of medians")
     lrs = sorted({lr for table in swept.values() for lr in table})
     print("| variant | " + " | ".join(f"{lr:g}" for lr in lrs) + " | spread |")
@@ -280,7 +330,9 @@ def _lr_table(groups) -> None:
         medians = {lr: statistics.median(v) for lr, v in table.items()}
         cells = [f"{100 * medians[lr]:.1f}" if lr in medians else "–" for lr in lrs]
         spread = 100 * (max(medians.values()) - min(medians.values()))
+        spreads[name] = spread
         print(f"| {name} | " + " | ".join(cells) + f" | {spread:.1f} |")
+    return spreads
 
 
 def _curves(main: dict, budget: Optional[float]) -> None:
