@@ -74,14 +74,8 @@ def test_labels_are_sub_token_means_then_frequent_tokens(make_base, tokenizer, t
     model = make_base()
     wte = model.transformer.wte.weight.detach()
     labels = [" red", " purple yellow"]  # one and several sub-tokens
-    prompt = init(
-        model,
-        num_virtual_tokens=6,
-        prompt_init="labels",
-        prompt_init_labels=labels,
-        tokenizer_name_or_path=str(tmp_path),
-        init_seed=0,
-    )
+    config = dict(prompt_init="labels", prompt_init_labels=labels, tokenizer_name_or_path=str(tmp_path), init_seed=0)
+    prompt = init(model, num_virtual_tokens=6, **config)
     assert prompt.shape == (6, 64) and prompt.dtype == torch.float32
     for row, label in enumerate(labels):
         ids = tokenizer(label, add_special_tokens=False)["input_ids"]
@@ -90,22 +84,8 @@ def test_labels_are_sub_token_means_then_frequent_tokens(make_base, tokenizer, t
     picked = [r[0] for r in rest]
     assert all(len(r) == 1 for r in rest) and len(set(picked)) == 4  # distinct vocabulary rows
     assert not set(picked) & {0, 1}  # never a special token
-    again = init(
-        model,
-        num_virtual_tokens=6,
-        prompt_init="labels",
-        prompt_init_labels=labels,
-        tokenizer_name_or_path=str(tmp_path),
-        init_seed=0,
-    )
-    assert torch.equal(prompt, again)  # seeded
-    capped = init(
-        model,
-        num_virtual_tokens=1,
-        prompt_init="labels",
-        prompt_init_labels=labels,
-        tokenizer_name_or_path=str(tmp_path),
-    )
+    assert torch.equal(prompt, init(model, num_virtual_tokens=6, **config))  # seeded
+    capped = init(model, num_virtual_tokens=1, **config)
     torch.testing.assert_close(capped[0], prompt[0])  # labels past N are not used
 
 
