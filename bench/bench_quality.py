@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import _common as c  # noqa: E402
 import torch  # noqa: E402
 from peft import LoraConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup  # noqa: E402
 
 from peft_softprompt_plus import SoftPromptPlusConfig, capitals  # noqa: E402
 from peft_softprompt_plus.fetch import fetch_checkpoint  # noqa: E402
@@ -52,6 +52,7 @@ class Variant:
     lr: float = 3e-2
     peft_prompt: bool = False  # a PEFT prompt-learning model: scored through an exact copy of its prompt (below)
     shots: int = 0  # hard prompt examples in front of each question
+    schedule: Optional[Callable] = None  # (optimizer, steps) -> an LR scheduler stepped once per step
     config: dict = field(default_factory=dict)
 
 
@@ -136,6 +137,13 @@ VARIANTS: dict[str, Variant] = {
         _peft(lambda: LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])),
         lr=1e-3,
     ),
+    "ours-random-cosine": Variant(
+        "this library, random init, 10 warm-up steps then cosine decay to 0",
+        _ours(prompt_init="random"),
+        schedule=lambda opt, steps: get_cosine_schedule_with_warmup(opt, 10, steps),
+    ),
+    "ours-random-n5": Variant("this library, random init, N=5", _ours(prompt_init="random", num_virtual_tokens=5)),
+    "ours-random-n50": Variant("this library, random init, N=50", _ours(prompt_init="random", num_virtual_tokens=50)),
     "hard-0shot": Variant("the frozen model, no prompt", None),
     "hard-3shot": Variant("the frozen model, a hard 3-shot prompt (3 training pairs drawn per seed)", None, shots=3),
 }
@@ -151,20 +159,18 @@ def _copied_prompt_scorer(path: str, tokenizer, split) -> Callable:
         SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=N, validate_gradients="off"),
     )
 
-    def score(model, pairs=None) -> float:
+    def exact(model):
         with torch.no_grad():
             evaluator.base_model.prompt("default").copy_(model.get_prompt_embedding_to_save("default"))
-        return capitals.exact_match(evaluator, tokenizer, pairs or split.held_out)
+        return evaluator
 
-    score.evaluator = evaluator
-    return score
+    return exact
 
 
-def _agreement(model, scorer, tokenizer, split, rows: int = 8) -> bool:
+def _agreement(model, exact, tokenizer, split, rows: int = 8) -> bool:
     countries = [c for c, _ in split.held_out[:rows]]
-    scorer(model, split.held_out[:1])  # loads the final prompt into the evaluator
     own = capitals.greedy_answers(model, tokenizer, countries, cached=False)
-    return own == capitals.greedy_answers(scorer.evaluator, tokenizer, countries)
+    return own == capitals.greedy_answers(exact(model), tokenizer, countries)
 
 
 def run_one(name: str, lr: Optional[float], seed: int, steps: int, eval_at: tuple[int, ...], path: str) -> dict:
@@ -178,14 +184,23 @@ def run_one(name: str, lr: Optional[float], seed: int, steps: int, eval_at: tupl
     if variant.build is None:
         prefix = capitals.few_shot_prefix(random.Random(seed).sample(split.train, variant.shots))
         score = capitals.exact_match(base, tokenizer, split.held_out, prefix) if variant.shots or seed == 0 else None
-        record.update(steps=[0], seconds=[0.0], cpu=[0.0], score=[score], loss=[None])
+        record.update(steps=[0], seconds=[0.0], cpu=[0.0], score=[score], loss=[None], n=0)
+        record["held_out_nll"] = [capitals.answer_nll(base, tokenizer, split.held_out, prefix)]
     else:
         model = variant.build(base, seed, tokenizer, split)
-        score = _copied_prompt_scorer(path, tokenizer, split) if variant.peft_prompt else None
-        curve = capitals.tune(model, tokenizer, split, steps, BATCH, lr, seed, eval_at, score)
+        exact = _copied_prompt_scorer(path, tokenizer, split) if variant.peft_prompt else (lambda m: m)
+        nll = []
+
+        def score(m) -> float:
+            nll.append(capitals.answer_nll(exact(m), tokenizer, split.held_out))
+            return capitals.exact_match(exact(m), tokenizer, split.held_out)
+
+        curve = capitals.tune(model, tokenizer, split, steps, BATCH, lr, seed, eval_at, score, variant.schedule)
         record.update(steps=curve.steps, seconds=curve.seconds, cpu=curve.cpu, score=curve.score, loss=curve.loss)
+        record["n"] = getattr(model.peft_config["default"], "num_virtual_tokens", None)
+        record["held_out_nll"] = [nll.pop(0) if s is not None else None for s in curve.score]
         if variant.peft_prompt:
-            record["copy_agrees_with_peft_forward"] = _agreement(model, score, tokenizer, split)
+            record["copy_agrees_with_peft_forward"] = _agreement(model, exact, tokenizer, split)
     record["total_seconds"] = time.perf_counter() - start
     return record
 
@@ -241,12 +256,17 @@ def _score_within(record: dict, budget: float) -> Optional[float]:
     return None  # the budget ends before its first evaluation
 
 
-def _fmt(values: list) -> str:
+def _nll_at(record: dict, step: int) -> Optional[float]:
+    values = record.get("held_out_nll") or []
+    return next((v for t, v in zip(record["steps"], values, strict=False) if t == step and v is not None), None)
+
+
+def _fmt(values: list, scale: float = 100, digits: int = 1) -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "–"
-    med = statistics.median(values)
-    return f"{100 * med:.1f} ({100 * min(values):.1f}–{100 * max(values):.1f}, n={len(values)})"
+    med, low, high = (f"{scale * v:.{digits}f}" for v in (statistics.median(values), min(values), max(values)))
+    return f"{med} ({low}–{high}, n={len(values)})"
 
 
 def cmd_report(args) -> None:
@@ -260,15 +280,19 @@ def cmd_report(args) -> None:
     print(f"held-out exact match, % (median (min–max, seeds)); N={N}, batch {BATCH}, AdamW, {STEPS} steps")
     if budget:
         print(f"equal time: the training CPU seconds {REFERENCE} needs for {STEPS} steps = {budget:.0f} s\n")
-    print(f"| variant | lr | step {STEPS} | within {budget or 0:.0f} s | CPU s / step | about |")
-    print("|---|---|---|---|---|---|")
+    print(
+        f"| variant | lr | EM, step {STEPS} | EM in {budget or 0:.0f} s | NLL, step {STEPS} | CPU s / step | about |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, rs in main.items():
         final = [_score_at(r, STEPS) if VARIANTS[name].build else r["score"][0] for r in rs]
         timed = [_score_within(r, budget) if budget and VARIANTS[name].build else None for r in rs]
         per_step = statistics.median(r["cpu"][-1] / r["steps"][-1] for r in rs) if VARIANTS[name].build else None
         step_text = f"{per_step:.2f}" if per_step else "–"
         lr = f"{rs[0]['lr']:g}" if VARIANTS[name].build else "–"
-        print(f"| {name} | {lr} | {_fmt(final)} | {_fmt(timed)} | {step_text} | {VARIANTS[name].about} |")
+        nll = [_nll_at(r, STEPS if VARIANTS[name].build else 0) for r in rs]
+        nll_text = _fmt(nll, scale=1, digits=3)
+        print(f"| {name} | {lr} | {_fmt(final)} | {_fmt(timed)} | {nll_text} | {step_text} | {VARIANTS[name].about} |")
     spreads = _lr_table(groups)
     _curves(main, budget)
     _targets(main, spreads)

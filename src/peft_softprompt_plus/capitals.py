@@ -143,6 +143,24 @@ def exact_match(model, tokenizer, pairs: list[tuple[str, str]], prefix: str = ""
     return sum(a == capital for a, (_, capital) in zip(answers, pairs, strict=True)) / len(pairs)
 
 
+@torch.no_grad()
+def answer_nll(model, tokenizer, pairs: list[tuple[str, str]], prefix: str = "", batch_size: int = 32) -> float:
+    """Mean negative log-likelihood per answer token (the capital and its newline) under teacher forcing: a
+    smoother measure than exact match, which moves by 1.1 points per country on 88 of them."""
+    total, count = 0.0, 0
+    for start in range(0, len(pairs), batch_size):
+        rows = [encode(tokenizer, c, k, prefix) for c, k in pairs[start : start + batch_size]]
+        batch = left_padded(rows, _pad_id(tokenizer))
+        labels = batch.pop("labels")
+        logits = model(**batch).logits[:, -labels.shape[1] :].float()  # [B, L, V] (PEFT's carry N more in front)
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        total += nll.item()
+        count += int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return total / count
+
+
 @dataclass
 class Curve:
     """Held-out exact match after `steps[i]` optimizer steps, `seconds[i]` of training wall time and `cpu[i]` of
