@@ -179,6 +179,7 @@ def run_one(name: str, lr: Optional[float], seed: int, steps: int, eval_at: tupl
     tokenizer = AutoTokenizer.from_pretrained(path)
     split = capitals.load_split()
     base = AutoModelForCausalLM.from_pretrained(path).eval()
+    torch.manual_seed(seed)  # whatever else draws from the global generator (an encoder without init_seed)
     record = {"variant": name, "lr": lr, "seed": seed, "n": N, "batch": BATCH, "threads": torch.get_num_threads()}
     start = time.perf_counter()
     if variant.build is None:

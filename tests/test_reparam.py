@@ -189,3 +189,16 @@ def test_trainer_resume_of_a_residual_adapter_is_bit_identical(tmp_path, tokeniz
         assert torch.equal(after.trainable("default")[name], tensor), name
     at_two = load_file(checkpoint / ENCODER_FILE)[RAW_KEY]
     assert not torch.equal(at_two, before.prompts["default"].detach())  # steps 3 and 4 ran after the resume
+
+
+def test_init_seed_draws_the_encoder_too_and_leaves_the_callers_generator_alone():
+    base = tiny_gpt2()  # seeds the global generator itself
+    torch.manual_seed(5)
+    expected_next = torch.rand(3)
+    torch.manual_seed(5)
+    first = residual(base, init_seed=11).base_model.prompt_bank.encoders["default"].state_dict()
+    assert torch.equal(torch.rand(3), expected_next)  # the caller's stream is where it was
+    second = residual(init_seed=11).base_model.prompt_bank.encoders["default"].state_dict()
+    other = residual(init_seed=12).base_model.prompt_bank.encoders["default"].state_dict()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not torch.equal(first["down.weight"], other["down.weight"])

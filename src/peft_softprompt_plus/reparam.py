@@ -36,7 +36,11 @@ def encoder_for(config, embedding: nn.Embedding) -> Optional[ResidualEncoder]:
     if str(config.reparameterization) != "residual":
         return None
     std = embedding_stats(embedding)[1]
-    encoder = ResidualEncoder(embedding.embedding_dim, config.residual_hidden, config.residual_layer_norm, std)
+    # Seeded by `init_seed` like the prompt itself, without touching the caller's generator.
+    with torch.random.fork_rng(devices=[]):
+        if config.init_seed is not None:
+            torch.manual_seed(config.init_seed)
+        encoder = ResidualEncoder(embedding.embedding_dim, config.residual_hidden, config.residual_layer_norm, std)
     return encoder.to(device=embedding.weight.device, dtype=torch.float32)
 
 
