@@ -295,7 +295,7 @@ def cmd_report(args) -> None:
         nll_text = _fmt(nll, scale=1, digits=3)
         print(f"| {name} | {lr} | {_fmt(final)} | {_fmt(timed)} | {nll_text} | {step_text} | {VARIANTS[name].about} |")
     spreads = _lr_table(groups)
-    _curves(main, budget)
+    _curves(main, budget, groups)
     _targets(main, spreads)
 
 
@@ -360,7 +360,7 @@ def _lr_table(groups) -> dict[str, float]:
     return spreads
 
 
-def _curves(main: dict, budget: Optional[float]) -> None:
+def _curves(main: dict, budget: Optional[float], groups: dict) -> None:
     try:
         import matplotlib
 
@@ -369,7 +369,9 @@ def _curves(main: dict, budget: Optional[float]) -> None:
     except ImportError:
         print("\n(no plot: matplotlib is not installed; pip install -e '.[bench]')")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5))
+    _lr_panel(axes[2], groups)
+    axes = axes[:2]
     for name, rs in main.items():
         if VARIANTS[name].build is None:
             flat = [r["score"][0] for r in rs if r["score"][0] is not None]
@@ -395,6 +397,26 @@ def _curves(main: dict, budget: Optional[float]) -> None:
     fig.tight_layout()
     fig.savefig(PLOT, dpi=110)
     print(f"\nplot: {PLOT}")
+
+
+def _lr_panel(ax, groups: dict) -> None:
+    """Held-out EM at step STEPS against the learning rate, for every variant run at more than two of them."""
+    by_variant = defaultdict(dict)
+    for (name, lr), rs in groups.items():
+        finals = [s for s in (_score_at(r, STEPS) for r in rs) if s is not None]
+        if finals:
+            by_variant[name][lr] = finals
+    for name, table in sorted(by_variant.items()):
+        if len(table) <= 2:
+            continue
+        lrs = sorted(table)
+        ax.plot(lrs, [100 * statistics.median(table[lr]) for lr in lrs], marker="o", label=name)
+        for lr in lrs:
+            ax.scatter([lr] * len(table[lr]), [100 * v for v in table[lr]], s=8, color="gray", alpha=0.5)
+    ax.set(xscale="log", xlabel="learning rate (AdamW)", ylabel=f"held-out exact match at step {STEPS}, %",
+           title="learning-rate sensitivity")  # fmt: skip
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
 
 
 def main() -> None:
