@@ -192,8 +192,10 @@ def _distill(base, tok, **kwargs):
 
 
 def test_distill_closes_part_of_the_gap_and_saves_the_student_alone(tok, base, chat_dir, tmp_path):
+    rng = torch.random.get_rng_state()
     model = _distill(base, tok, user_turns=USERS, held_out_turns=HELD_OUT, evaluate_at=(0, 12))
     report = model.distill_report
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the teacher sampled under its own seed
     assert list(model.peft_config) == ["default"]
     assert report.samples.held_out_turns == HELD_OUT and not set(HELD_OUT) & set(report.samples.train_turns)
     assert len(report.samples.train) == 4 * len(USERS) and len(report.samples.held_out) == 2 * len(HELD_OUT)

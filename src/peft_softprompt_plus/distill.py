@@ -31,7 +31,7 @@ from .distill_teacher import (
 STUDENT = "default"  # PEFT saves the adapter named "default" at the folder's top level: a normal adapter folder
 
 
-def _problems(model, user_turns, held_out_turns, counts: dict, lr, fraction, evaluate_at) -> list[str]:
+def _problems(model, user_turns, held_out_turns, counts: dict, lr, fraction, init, evaluate_at) -> list[str]:
     found = []
     if isinstance(model, PeftModel) or not hasattr(model, "get_input_embeddings"):
         found.append(f"`model` must be a base causal LM (not a PeftModel), got {type(model).__name__}.")
@@ -43,6 +43,8 @@ def _problems(model, user_turns, held_out_turns, counts: dict, lr, fraction, eva
             found.append(f"`{name}` must be a list of str (one user turn each), got {type(turns).__name__}.")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
         found.append(f"`lr` must be a number > 0, got {lr!r}.")
+    if init not in ("text", "vocab", "random"):
+        found.append(f"`prompt_init` must be 'text', 'vocab' or 'random', got {init!r}.")
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         found.append(f"`held_out_fraction` must be in (0, 1), got {fraction!r}.")
     steps = counts["steps"] if isinstance(counts["steps"], int) else 0
@@ -51,12 +53,13 @@ def _problems(model, user_turns, held_out_turns, counts: dict, lr, fraction, eva
     return found
 
 
-def _init_config(tokenizer, prepared: distill_data.Prepared, n: int, seed: int) -> SoftPromptPlusConfig:
-    """Start from the system prompt's own first N tokens where the tokenizer can be reloaded, else from vocabulary
-    rows. Only those N tokens' text is kept in the config, not the whole (maybe private) system prompt."""
+def _init_config(tokenizer, prepared: distill_data.Prepared, n: int, seed: int, init: str) -> SoftPromptPlusConfig:
+    """`init="text"` starts from the system prompt's own first N tokens where the tokenizer can be reloaded (else from
+    vocabulary rows); only those N tokens' text is kept in the config, not the whole (maybe private) system prompt."""
     folder = getattr(tokenizer, "name_or_path", "")
-    if not (folder and os.path.isdir(folder)):
-        return SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=n, prompt_init="vocab", init_seed=seed)
+    if init != "text" or not (folder and os.path.isdir(folder)):
+        init = "vocab" if init == "text" else init
+        return SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=n, prompt_init=init, init_seed=seed)
     ids = tokenizer(prepared.system_prompt, add_special_tokens=False)["input_ids"]
     head = tokenizer.decode(ids[:n])
     exact = tokenizer(head, add_special_tokens=False)["input_ids"][:n] == ids[:n]
@@ -132,6 +135,7 @@ def distill_prompt(
     held_out_fraction: float = 0.2,
     sampled_turns: int = 64,
     seed: int = 0,
+    prompt_init: str = "text",
     evaluate_at: Sequence[int] = (),
     samples: Optional[DistillSamples] = None,
     progress: Optional[Callable[[str], None]] = None,
@@ -144,7 +148,7 @@ def distill_prompt(
     counts = dict(num_virtual_tokens=num_virtual_tokens, steps=steps, batch_size=batch_size)
     counts.update(samples_per_turn=samples_per_turn, held_out_samples_per_turn=held_out_samples_per_turn)
     counts.update(max_new_tokens=max_new_tokens, sampled_turns=sampled_turns)
-    problems = _problems(model, user_turns, held_out_turns, counts, lr, held_out_fraction, evaluate_at)
+    problems = _problems(model, user_turns, held_out_turns, counts, lr, held_out_fraction, prompt_init, evaluate_at)
     if problems:
         raise ValueError("distill_prompt: " + " ".join(problems))
     log = progress or (lambda line: None)
@@ -161,7 +165,7 @@ def distill_prompt(
             )
         for turn in train + held_out:  # every turn is checked before the model changes
             prepared.suffix_ids(tokenizer, turn)
-    config = _init_config(tokenizer, prepared, num_virtual_tokens, seed)
+    config = _init_config(tokenizer, prepared, num_virtual_tokens, seed, prompt_init)
     model = get_peft_model(model, config)
     attach_teacher(model, prepared.prefix_ids)
     model.eval()  # no dropout: the student matches the teacher's own deterministic distribution
@@ -169,7 +173,9 @@ def distill_prompt(
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         if samples is None:
+            began, began_cpu = time.perf_counter(), time.process_time()
             samples = _draw(model, tokenizer, prepared, turns, held_out_turns, held_out_fraction, seed, counts, log)
+            samples.seconds = (time.perf_counter() - began, time.process_time() - began_cpu)
     gap = teacher_gap(model, prepared.prefix_ids, samples.train[0].ids)
     none = distill_score.none_figures(model, samples, pad, stops, batch_size)
 

@@ -129,7 +129,8 @@ class DistillReport:
             f"distilled a {self.prefix_tokens}-token system prompt ({self.mode} mode) into {self.num_virtual_tokens} "
             f"soft tokens: {self.steps} steps, batch {self.batch_size}, lr {self.lr:g}, seed {self.seed}, init "
             f"{self.init}, {len(rows.train)} training rows from {len(rows.train_turns)} user turns"
-            f"{' the teacher wrote' if rows.sampled_turns else ''}; {self.train_seconds:.0f} s of training",
+            f"{' the teacher wrote' if rows.sampled_turns else ''}; {self.train_seconds:.0f} s of training"
+            + (f", {rows.seconds[0]:.0f} s drawing the teacher's samples" if rows.seconds else ""),
             f"teacher check: the frozen hard-prompt adapter equals the base fed the hard tokens within "
             f"{self.teacher_gap:.1e} (relative)",
             f"held out ({len(rows.held_out_turns)} user turns never trained on, {len(rows.held_out)} continuations):",

@@ -71,6 +71,7 @@ class DistillSamples:
     held_out_prompts: list[list[int]] = field(default_factory=list)  # each held-out turn's suffix ids
     teacher_greedy: list[list[int]] = field(default_factory=list)  # [AGREEMENT_TOKENS] per held-out turn
     sampled_turns: bool = False
+    seconds: Optional[tuple[float, float]] = None  # (wall, cpu) it took to draw them
 
 
 def _normal(turn: str) -> str:
