@@ -25,8 +25,13 @@ def attach_teacher(model, prefix_ids: list[int]) -> None:
     Exact where the model embeds ids by its input embedding alone (every transformers decoder: a scale or position
     embedding applies to `inputs_embeds` as to ids): prompt positions 0..S-1 then the text from S are what the base
     computes on the prefix's tokens followed by the text's."""
+    # init_seed: the placeholder values (overwritten below) must not draw from the caller's generator.
     config = SoftPromptPlusConfig(
-        task_type="CAUSAL_LM", num_virtual_tokens=len(prefix_ids), inference_mode=True, validate_gradients="off"
+        task_type="CAUSAL_LM",
+        num_virtual_tokens=len(prefix_ids),
+        inference_mode=True,
+        validate_gradients="off",
+        init_seed=0,
     )
     model.add_adapter(TEACHER, config)
     embedding = model.get_input_embeddings()
