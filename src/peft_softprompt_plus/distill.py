@@ -208,6 +208,11 @@ def _draw(model, tokenizer, prepared, turns, held_out_turns, fraction, seed, cou
     if written:  # sampled turns are checked here; given ones were checked before the model changed
         train = [t for t in train if _fits(prepared, tokenizer, t)]
         held_out = [t for t in held_out if _fits(prepared, tokenizer, t)]
+        if not train or not held_out:
+            raise ValueError(
+                f"The teacher's own user turns left {len(train)} to train on and {len(held_out)} held out; pass "
+                "`user_turns` (CLI: --user-file), or a larger `sampled_turns`."
+            )
     suffixes = [prepared.suffix_ids(tokenizer, t) for t in train]
     held = [prepared.suffix_ids(tokenizer, t) for t in held_out]
     log(
