@@ -25,6 +25,9 @@ TARGETS = speed.Targets(
     memory=None,
     generate=None,
     exact="<= 1e-05",
+    # 30 float32 layers: the two orders of summation differ by ~2e-4 relative (with a float64 base they agree within
+    # 6.3e-7, the float32 loss's own rounding: tests/test_real_checkpoint.py)
+    exact_grad="<= 5e-04",
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

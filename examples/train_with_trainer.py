@@ -83,6 +83,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             save_strategy="no",
             report_to=[],
             seed=args.seed,
+            dataloader_pin_memory=torch.cuda.is_available(),  # pinning without a GPU only warns
         ),
         train_dataset=data,
         eval_dataset=data,

@@ -26,6 +26,8 @@ on tiny Hub models. This script runs those checks, unchanged, on `SoftPromptPlus
 Command (from a clean environment; PEFT's tests need `datasets`, `accelerate`, `pyyaml`, `scipy`, `pytest`):
 
     git clone --depth 1 --branch v0.21.2 https://github.com/huggingface/peft /tmp/peft   # or a nearby commit
+    # or, from the package index: PEFT's sdist holds tests/ without __init__.py and conftest.py (neither is needed)
+    pip download --no-deps --no-binary :all: peft==0.21.2 && tar xzf peft-0.21.2.tar.gz   # then peft-0.21.2/tests
     OMP_NUM_THREADS=1 python tests/run_peft_generic.py --peft-tests /tmp/peft/tests
 
 Options: `--peft-gates` keeps PEFT's own skip of the mixed-batch tests; `--work DIR` keeps the scratch folder
@@ -54,24 +56,26 @@ from pathlib import Path
 OUR_CONFIG_KWARGS = {"task_type": "CAUSAL_LM", "num_virtual_tokens": 4}
 
 # The files of PEFT's tests/ that test_decoder_models.py needs.
-PEFT_TEST_FILES = ("__init__.py", "conftest.py", "testing_common.py", "testing_utils.py", "test_decoder_models.py")
+PEFT_TEST_FILES = ("testing_common.py", "testing_utils.py", "test_decoder_models.py")
+# Copied when present; PEFT's sdist leaves them out. The package marker is then written empty, and PEFT's conftest
+# (a --regression option, transformers deprecations as errors) is not needed to run the generic tests.
+PEFT_OPTIONAL_FILES = ("__init__.py", "conftest.py")
 
 # Failures that follow from documented design decisions (docs/api.md, docs/many-tasks.md, docs/troubleshooting.md).
 # Key: the test function's name (expected for every model of the matrix); value: (a regex that the failure's full
 # report must match, why). A failure of a listed test whose report doesn't match is reported as unexpected.
 _MERGE = (r"cannot be merged", "merging is refused by design: a prompt is an input, not a weight delta (docs/api.md)")
-_LAST = (
-    r"is the model's last adapter",
-    "deleting the last adapter is refused by design; `unload()` returns the base (docs/troubleshooting.md); "
-    "the test's earlier steps (deleting a second adapter, active or not) pass",
+_FLOAT32 = (
+    r'assert get_adapter_dtype\(model, "default"\) <= expected_dtype',
+    "the prompt is a float32 leaf whatever the base's dtype and `autocast_adapter_dtype`, and is cast only where it "
+    "is used, so its gradient and optimizer state stay float32 (docs/precision.md)",
 )
 EXPECTED_FAILURES: dict[str, tuple[str, str]] = {
     "test_merge_layers": _MERGE,
     "test_merge_layers_multi": _MERGE,
     "test_merge_layers_nan": _MERGE,
     "test_merge_layers_fp16": _MERGE,
-    "test_delete_adapter": _LAST,
-    "test_delete_inactive_adapter": _LAST,
+    "test_add_adapter_no_autocast_adapter_dtype": _FLOAT32,
     # Only run with the widened gates (the default; see --peft-gates).
     "test_mixed_adapter_batches": (
         r"assert torch\.allclose\(output_base\[::3\], output_mixed\[::3\]",
@@ -400,8 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         tests = work / "tests"
         shutil.rmtree(tests, ignore_errors=True)
         tests.mkdir(parents=True)
-        for f in PEFT_TEST_FILES:
+        for f in PEFT_TEST_FILES + tuple(f for f in PEFT_OPTIONAL_FILES if (peft_tests / f).is_file()):
             shutil.copy(peft_tests / f, tests / f)
+        (tests / "__init__.py").touch()
         inject_our_config(tests / "test_decoder_models.py")
         if not args.peft_gates:
             widen_mixed_batch_gates(tests)

@@ -17,8 +17,15 @@ from conftest import random_ids
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from peft_softprompt_plus import AdapterFileError, SoftPromptPlusConfig, check_gradient_flow, distill_prompt
+from peft_softprompt_plus import (
+    AdapterFileError,
+    SoftPromptPlusConfig,
+    check_gradient_flow,
+    distill_prompt,
+    prompt_embeds,
+)
 from peft_softprompt_plus.cli import main as cli_main
+from peft_softprompt_plus.tiny import tiny_gpt2
 
 
 @dataclass
@@ -172,6 +179,13 @@ def _distill_cli(*argv, files=()):
 
 
 SYSTEM_FILE = [("system.txt", "the quick brown fox jumps over the lazy dog\n")]
+
+
+def _deleted():
+    """A prompted tiny GPT-2 whose last adapter was deleted."""
+    model = get_peft_model(tiny_gpt2(), SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    model.delete_adapter("default")
+    return model
 
 
 def _cli(*argv):
@@ -558,12 +572,32 @@ CASES = [
         ValueError,
         ["`set_adapter`", "list", "adapter_names", "set_requires_grad"],
     ),
-    ("set_adapter unknown", lambda w: w.model.set_adapter("nope"), ValueError, ["'nope'", "adapters: ['default']"]),
+    (
+        "set_adapter unknown",
+        lambda w: w.model.set_adapter("nope"),
+        ValueError,
+        ["Adapter nope not found", "adapters: ['default']", "`adapter_name`='nope'"],
+    ),
     ("set_adapter int", lambda w: w.model.set_adapter(3), ValueError, ["`set_adapter`", "int"]),
-    ("delete unknown", lambda w: w.model.delete_adapter("nope"), ValueError, ["'nope'", "adapters: ['default']"]),
-    ("delete the last adapter", lambda w: w.model.delete_adapter("default"), ValueError, ["last adapter", "unload()"]),
+    (
+        "delete unknown",
+        lambda w: w.model.delete_adapter("nope"),
+        ValueError,
+        ["Adapter nope does not exist", "adapters: ['default']", "`adapter_name`='nope'"],
+    ),
+    (
+        "delete unknown on the tuner",
+        lambda w: w.model.base_model.delete_adapter("nope"),
+        ValueError,
+        ["Adapter nope does not exist", "adapters: ['default']"],
+    ),
     ("delete a list", lambda w: w.model.delete_adapter(["default"]), ValueError, ["`delete_adapter`", "list"]),
-    ("prompt of unknown", lambda w: w.model.base_model.prompt("nope"), ValueError, ["'nope'", "adapters"]),
+    (
+        "prompt of unknown",
+        lambda w: w.model.base_model.prompt("nope"),
+        ValueError,
+        ["Adapter nope does not exist", "adapters: ['default']"],
+    ),
     ("merge", lambda w: w.model.merge_and_unload(), ValueError, ["cannot be merged", "unload()"]),
     # check_gradient_flow
     ("gradient check not a model", lambda w: check_gradient_flow(IDS), TypeError, ["`model`", "Tensor"]),
@@ -606,6 +640,86 @@ CASES = [
         _distill(chat=False, evaluate_at=(5,)),
         ValueError,
         ["`evaluate_at`", "[5]", "`steps`=1"],
+    ),
+    # prompt_embeds (serving.py)
+    ("serve not a model", lambda w: prompt_embeds(torch.nn.Linear(2, 2), IDS), TypeError, ["`model`", "Linear"]),
+    (
+        "serve a LoRA model",
+        lambda w: prompt_embeds(get_peft_model(tiny_gpt2(), peft.LoraConfig(target_modules=["c_attn"])), IDS),
+        TypeError,
+        ["`model`", "LORA", "SOFTPROMPT_PLUS"],
+    ),
+    ("serve the bare base", lambda w: prompt_embeds(w.base, IDS), TypeError, ["`model`", "GPT2LMHeadModel"]),
+    (
+        "serve unknown adapter",
+        lambda w: prompt_embeds(w.model, IDS, adapter_name="nope"),
+        ValueError,
+        ["Adapter nope does not exist", "adapters: ['default']"],
+    ),
+    (
+        "serve adapter list",
+        lambda w: prompt_embeds(w.model, IDS, adapter_name=["default"]),
+        ValueError,
+        ["`adapter_name`", "list"],
+    ),
+    (
+        "serve a SEQ_CLS adapter",
+        lambda w: prompt_embeds(
+            get_peft_model(tiny_gpt2(task="SEQ_CLS"), SoftPromptPlusConfig(task_type="SEQ_CLS")), IDS
+        ),
+        ValueError,
+        ["`adapter_name`='default'", "SEQ_CLS", "head"],
+    ),
+    (
+        "serve modules_to_save",
+        lambda w: prompt_embeds(
+            get_peft_model(tiny_gpt2(), SoftPromptPlusConfig(task_type="CAUSAL_LM", modules_to_save=["ln_f"])), IDS
+        ),
+        ValueError,
+        ["`modules_to_save`=['ln_f']", "Serve it with this library"],
+    ),
+    ("serve no active adapter", lambda w: prompt_embeds(_deleted(), IDS), ValueError, ["`adapter_name`", "0 active"]),
+    ("serve ids list", lambda w: prompt_embeds(w.model, IDS.tolist()), TypeError, ["`input_ids`", "list"]),
+    ("serve float ids", lambda w: prompt_embeds(w.model, IDS.float()), ValueError, ["`input_ids`", "float32"]),
+    ("serve 3-D ids", lambda w: prompt_embeds(w.model, IDS[None]), ValueError, ["`input_ids`", "[L]", "[1, 2, 5]"]),
+    ("serve ids past vocab", lambda w: prompt_embeds(w.model, IDS + 10_000), ValueError, ["`input_ids`", "outside"]),
+    ("serve no tokens", lambda w: prompt_embeds(w.model, IDS[:, :0]), ValueError, ["`input_ids`", "[2, 0]"]),
+    (
+        "serve mask shape",
+        lambda w: prompt_embeds(w.model, IDS, torch.ones(2, 6)),
+        ValueError,
+        ["`attention_mask`", "[2, 5]", "[2, 6]"],
+    ),
+    (
+        "serve mask 1-D for a batch",
+        lambda w: prompt_embeds(w.model, IDS, torch.ones(5)),
+        ValueError,
+        ["`attention_mask`", "[2, 5]", "[5]"],
+    ),
+    (
+        "serve mask 0.5",
+        lambda w: prompt_embeds(w.model, IDS, torch.full((2, 5), 0.5)),
+        ValueError,
+        ["`attention_mask`", "[0.5]"],
+    ),
+    (
+        "serve an empty row",
+        lambda w: prompt_embeds(w.model, IDS, torch.tensor([[1] * 5, [0] * 5])),
+        ValueError,
+        ["`attention_mask`", "no real token", "[1]"],
+    ),
+    (
+        "serve too long",
+        lambda w: prompt_embeds(w.model, random_ids(1, 125)),
+        ValueError,
+        ["`input_ids` row 0 has 125 real tokens", "N=4", "129 positions", "has 128", "at most 124"],
+    ),
+    ("serve as_list str", lambda w: prompt_embeds(w.model, IDS, as_list="yes"), ValueError, ["`as_list`", "'yes'"]),
+    (
+        "serve engine_scales_embeddings int",
+        lambda w: prompt_embeds(w.model, IDS, engine_scales_embeddings=1),
+        ValueError,
+        ["`engine_scales_embeddings`", "int 1"],
     ),
     # command line: one `error:` line, exit status 2
     ("cli inspect missing", _cli("inspect", "{tmp}/nope"), SystemExit, ["2"]),

@@ -15,7 +15,10 @@ from peft_softprompt_plus import SoftPromptPlusConfig
         ({"num_virtual_tokens": 0}, r"`num_virtual_tokens` must be a positive int \(>= 1\), got 0"),
         ({"num_virtual_tokens": 2.5}, r"`num_virtual_tokens` must be a positive int \(>= 1\), got 2.5"),
         ({"num_virtual_tokens": True}, r"`num_virtual_tokens` must be a positive int \(>= 1\), got True \(bool\)"),
-        ({"prompt_init": "zeros"}, r"`prompt_init` must be one of \['random', 'vocab', 'text'\], got 'zeros'"),
+        (
+            {"prompt_init": "zeros"},
+            r"`prompt_init` must be one of \['random', 'vocab', 'text', 'labels'\], got 'zeros'",
+        ),
         ({"validate_gradients": "maybe"}, r"`validate_gradients` must be one of .*got 'maybe'"),
         ({"forward_path": "fast"}, r"`forward_path` must be one of .*got 'fast'"),
         ({"task_type": "SEQ_2_SEQ_LM"}, r"`task_type` must be one of \['CAUSAL_LM', 'SEQ_CLS'\], got 'SEQ_2_SEQ_LM'"),
@@ -24,6 +27,19 @@ from peft_softprompt_plus import SoftPromptPlusConfig
         ({"prompt_init_text": "hi"}, r"`prompt_init_text` is only used with `prompt_init='text'`"),
         ({"init_seed": "1"}, r"`init_seed` must be an int or None, got '1'"),
         ({"modules_to_save": "score"}, r"`modules_to_save` must be a list of module names or None, got 'score'"),
+        ({"prompt_init": "labels", "tokenizer_name_or_path": "t"}, r"`prompt_init_labels` must be a non-empty list"),
+        (
+            {"prompt_init": "labels", "prompt_init_labels": [" a", "  "], "tokenizer_name_or_path": "t"},
+            r"`prompt_init_labels` must be a non-empty list of non-empty strings .* got \[' a', '  '\]",
+        ),
+        (
+            {"prompt_init": "labels", "prompt_init_labels": [" a"]},
+            r"`tokenizer_name_or_path` is needed when `prompt_init='labels'`",
+        ),
+        ({"prompt_init_labels": [" a"]}, r"`prompt_init_labels` is only used with `prompt_init='labels'`"),
+        ({"reparameterization": "lstm"}, r"`reparameterization` must be one of \['none', 'residual'\], got 'lstm'"),
+        ({"residual_hidden": 0}, r"`residual_hidden` must be a positive int, got 0"),
+        ({"residual_layer_norm": "yes"}, r"`residual_layer_norm` must be True or False, got 'yes'"),
     ],
 )
 def test_bad_values_name_field_and_value(kwargs, match):

@@ -26,17 +26,24 @@ def batch():
 
 
 def reference_logits(base, prompt, ids, mask):
-    """`[prompt; text]` through `inputs_embeds`: prompt positions 0..N-1, text from N counting real tokens.
-    A causal LM's `[B, L, V]` text logits; a classifier's `[B, labels]` (left padding: the last position is real)."""
+    """Each row as if alone: `[pads; prompt; real text]` through `inputs_embeds` (a row's left padding moved in front
+    of the prompt), prompt positions 0..N-1, text from N. Neither positions nor a sliding window's distances count
+    the pads. A causal LM's `[B, L, V]` text logits; a classifier's `[B, labels]`."""
     embeds = base.get_input_embeddings()(ids)  # [B, L, D]
-    rows, num_prompt = ids.shape[0], prompt.shape[0]
-    kwargs = {
-        "inputs_embeds": torch.cat([prompt.to(embeds.dtype).expand(rows, -1, -1), embeds], dim=1),
-        "attention_mask": torch.cat([torch.ones(rows, num_prompt, dtype=mask.dtype), mask], dim=1),
-    }
+    rows, num_prompt, length = ids.shape[0], prompt.shape[0], ids.shape[1]
+    pads = (mask == 0).sum(1).tolist()
+    assert all(mask[b, pads[b] :].all() for b in range(rows)), "left padding only"
+    head = prompt.to(embeds.dtype)
+    sequence = torch.stack([torch.cat([embeds[b, : pads[b]], head, embeds[b, pads[b] :]]) for b in range(rows)])
+    full_mask = torch.stack(
+        [
+            torch.cat([mask[b, : pads[b]], torch.ones(num_prompt + length - pads[b], dtype=mask.dtype)])
+            for b in range(rows)
+        ]
+    )
+    kwargs = {"inputs_embeds": sequence, "attention_mask": full_mask}  # [B, N+L, D], [B, N+L]
     if "position_ids" in inspect.signature(base.forward).parameters:
-        text = num_prompt + (mask.cumsum(1) - 1).clamp(min=0)
-        kwargs["position_ids"] = torch.cat([torch.arange(num_prompt).expand(rows, -1), text], dim=1)
+        kwargs["position_ids"] = (full_mask.cumsum(1) - 1).clamp(min=0)  # [B, N+L]
     logits = base(**kwargs).logits
     return logits[:, num_prompt:] if logits.dim() == 3 else logits
 

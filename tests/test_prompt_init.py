@@ -67,3 +67,50 @@ def test_text_with_a_foreign_tokenizer_is_explained(make_base, tokenizer, tmp_pa
             prompt_init_text="x",
             tokenizer_name_or_path=str(tmp_path / "nope"),
         )
+
+
+def test_labels_are_sub_token_means_then_frequent_tokens(make_base, tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    model = make_base()
+    wte = model.transformer.wte.weight.detach()
+    labels = [" red", " purple yellow"]  # one and several sub-tokens
+    config = dict(prompt_init="labels", prompt_init_labels=labels, tokenizer_name_or_path=str(tmp_path), init_seed=0)
+    prompt = init(model, num_virtual_tokens=6, **config)
+    assert prompt.shape == (6, 64) and prompt.dtype == torch.float32
+    for row, label in enumerate(labels):
+        ids = tokenizer(label, add_special_tokens=False)["input_ids"]
+        torch.testing.assert_close(prompt[row], wte[ids].mean(dim=0))
+    rest = [(wte == row).all(dim=1).nonzero().flatten().tolist() for row in prompt[2:]]
+    picked = [r[0] for r in rest]
+    assert all(len(r) == 1 for r in rest) and len(set(picked)) == 4  # distinct vocabulary rows
+    assert not set(picked) & {0, 1}  # never a special token
+    assert torch.equal(prompt, init(model, num_virtual_tokens=6, **config))  # seeded
+    capped = init(model, num_virtual_tokens=1, **config)
+    torch.testing.assert_close(capped[0], prompt[0])  # labels past N are not used
+
+
+def test_labels_with_a_foreign_tokenizer_are_explained(make_base, tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 10"):
+        init(
+            make_base(vocab_size=10),
+            num_virtual_tokens=3,
+            prompt_init="labels",
+            prompt_init_labels=[" green"],
+            tokenizer_name_or_path=str(tmp_path),
+        )
+
+
+def test_inits_follow_what_the_embedding_module_outputs_even_when_it_scales():
+    # transformers 5's Gemma-2 multiplies its rows by sqrt(D) inside the embedding module: a prompt built from raw
+    # weight rows would start sqrt(D) = 8 times smaller than the text it sits beside.
+    from peft_softprompt_plus.tiny import tiny_family
+
+    model = tiny_family("gemma2", vocab_size=300)
+    embedding = model.get_input_embeddings()
+    outputs = embedding(torch.arange(300)).detach()  # [V, D], scaled
+    assert not torch.allclose(outputs, embedding.weight.detach())
+    vocab = init(model, num_virtual_tokens=8, prompt_init="vocab", init_seed=0)
+    assert all((outputs == row).all(dim=1).any() for row in vocab)
+    random = init(model, num_virtual_tokens=256, init_seed=0)
+    assert abs(random.std().item() / outputs.std().item() - 1) < 0.1

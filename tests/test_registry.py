@@ -92,6 +92,7 @@ PINNED_SIGNATURES = {
     "PeftModel.push_to_hub": "self repo_id *commit_message *commit_description *private *token *revision *create_pr "
     "*max_shard_size *tags",
     "PeftModel.create_or_update_model_card": "self output_dir",
+    "PeftModel.__init__": "self model peft_config adapter_name autocast_adapter_dtype low_cpu_mem_usage",
     "PeftModel.from_pretrained": "cls model model_id adapter_name is_trainable config autocast_adapter_dtype "
     "ephemeral_gpu_offload low_cpu_mem_usage key_mapping **kwargs",
     "PeftModel.load_adapter": "self model_id adapter_name is_trainable torch_device autocast_adapter_dtype "

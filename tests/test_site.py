@@ -152,3 +152,38 @@ def test_autoload_on_off_status_write_and_remove_only_its_hook(tmp_path, monkeyp
     assert "autoload is off" in capsys.readouterr().out
     assert cli.main(["autoload", "off"]) == 0  # already off: nothing to remove
     assert sorted(p.name for p in tmp_path.iterdir()) == ["someone_else.pth"]
+
+
+# `get_peft_model` on a Hub id instead of a model: PEFT's own function fails on `model.__dict__` before anything of
+# ours runs, so the clear error needs the patched function bound, and `from peft import get_peft_model` binds what
+# `peft` holds at that moment (docs/troubleshooting.md).
+HUB_ID_ATTACH = """
+{first}
+{second}
+try:
+    get_peft_model("gpt2", SoftPromptPlusConfig(task_type="CAUSAL_LM"))
+except Exception as err:
+    print(type(err).__name__, err)
+"""
+PEFT_FIRST = ("from peft import get_peft_model", "from peft_softprompt_plus import SoftPromptPlusConfig")
+CLEAR = "TypeError `model` must be a torch.nn.Module (a loaded transformers model), got str 'gpt2'"
+
+
+@pytest.mark.slow
+def test_the_clear_error_for_a_hub_id_in_either_import_order(tmp_path):
+    peft_first = HUB_ID_ATTACH.format(first=PEFT_FIRST[0], second=PEFT_FIRST[1])
+    ours_first = HUB_ID_ATTACH.format(first=PEFT_FIRST[1], second=PEFT_FIRST[0])
+    (tmp_path / cli.AUTOLOAD_PTH).write_text(cli.AUTOLOAD_LINE)
+    autoload = f"import site; site.addsitedir({str(tmp_path)!r})\n"
+
+    def output(command):
+        done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    assert CLEAR in output(_bare_python(ours_first))
+    # The limitation: PEFT's unpatched function was bound before this package ran.
+    assert "AttributeError 'str' object has no attribute '__dict__'" in output(_bare_python(peft_first))
+    # The fixes: registration at `import peft`, before the name is bound.
+    assert CLEAR in output(_bare_python(autoload + peft_first))
+    assert CLEAR in _softprompt_plus_run(sys.executable, "-c", peft_first, env=_env()).stdout

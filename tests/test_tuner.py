@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from conftest import random_ids
-from peft import PeftModel, get_peft_model
+from conftest import prompt_tuning_reference, random_ids
+from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
-from peft_softprompt_plus import SoftPromptPlusConfig
+from peft_softprompt_plus import GradientFlowError, SoftPromptPlusConfig
+from peft_softprompt_plus.attention import is_installed
 
 
 def snapshot(model):
@@ -143,11 +144,98 @@ def test_wrong_task_for_model_is_refused(make_base):
 
 
 def test_failed_attach_leaves_the_base_as_it_came(make_base):
-    from peft_softprompt_plus import GradientFlowError
-
     base = make_base()
     base.transformer.ln_f.register_forward_hook(lambda module, args, out: out.detach())  # cuts every gradient
     flags = {n: p.requires_grad for n, p in base.named_parameters()}
     with pytest.raises(GradientFlowError):
         get_peft_model(base, SoftPromptPlusConfig(task_type="CAUSAL_LM"))
     assert {n: p.requires_grad for n, p in base.named_parameters()} == flags
+
+
+def test_deleting_the_last_adapter_leaves_the_base_model_as_peft_does(make_base, make_peft, tmp_path):
+    base, reference = make_base(seed=1), make_base(seed=1)
+    own_attention, own_loss_type = base.config._attn_implementation, base.loss_type
+    model = make_peft(base=base)
+    ids, mask = random_ids(2, 6), torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)  # stores a prompt pass
+    assert is_installed(base.config) and model.base_model._kv_store._entries
+    attached_loss_type = base.loss_type  # GPT-2 has none; attached, it names the prompted loss
+    assert attached_loss_type != own_loss_type
+
+    model.delete_adapter("default")
+    assert model.active_adapters == [] and list(model.peft_config) == [] and not model.base_model.prompt_bank.prompts
+    assert (base.config._attn_implementation, base.loss_type) == (own_attention, own_loss_type)
+    assert model.base_model._kv_store._entries == {}
+    with torch.no_grad():
+        assert torch.equal(
+            model.base_model(input_ids=ids, attention_mask=mask).logits,
+            reference(input_ids=ids, attention_mask=mask).logits,
+        )
+    greedy = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=1)
+    assert torch.equal(model.base_model.generate(**greedy), reference.generate(**greedy))
+
+    # The PeftModel's own forward and save need an active adapter, in PEFT, for LoRA as for us: the same error.
+    lora = get_peft_model(make_base(), LoraConfig(target_modules=["c_attn"], fan_in_fan_out=True))
+    lora.delete_adapter("default")
+    for call in (lambda m: m(input_ids=ids), lambda m: m.save_pretrained(tmp_path / type(m.base_model).__name__)):
+        with pytest.raises(KeyError) as ours:
+            call(model)
+        with pytest.raises(KeyError) as theirs:
+            call(lora)
+        assert str(ours.value) == str(theirs.value) == "'default'"
+    # PEFT leaves LoRA's target folder empty; ours writes nothing at all, not even a staging folder.
+    assert [p.name for p in tmp_path.iterdir()] == ["LoraModel"]
+
+    # A new adapter brings the prompt back: our attention again, and PEFT prompt tuning's logits.
+    model.add_adapter("again", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, init_seed=2))
+    model.set_adapter("again")
+    assert is_installed(base.config) and base.loss_type == attached_loss_type
+    expected = prompt_tuning_reference(make_base(seed=1), model.base_model.prompt("again").detach())
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected(input_ids=ids).logits[:, 3:])
+    assert model.unload() is base
+    assert (base.config._attn_implementation, base.loss_type) == (own_attention, own_loss_type)
+
+
+def test_an_adapter_added_after_the_last_was_deleted_is_probed(make_base, make_peft):
+    base = make_base()
+    model = make_peft(base=base)
+    model.delete_adapter("default")
+    flags = {n: p.requires_grad for n, p in base.named_parameters()}
+    base.transformer.ln_f.register_forward_hook(lambda module, args, out: out.detach())  # cuts every gradient
+    with pytest.raises(GradientFlowError):
+        model.add_adapter("again", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    assert not model.base_model.prompt_bank.prompts and not is_installed(base.config)
+    assert {n: p.requires_grad for n, p in base.named_parameters()} == flags  # still frozen, as before the add
+
+
+@pytest.mark.parametrize("method", ["delete_adapter", "set_adapter"])
+def test_unknown_adapter_messages_start_with_peft_s_own(make_base, make_peft, method):
+    lora = get_peft_model(make_base(), LoraConfig(target_modules=["c_attn"], fan_in_fan_out=True))
+    with pytest.raises(ValueError) as theirs:
+        getattr(lora, method)("unknown-adapter")
+    with pytest.raises(ValueError) as ours:
+        getattr(make_peft(), method)("unknown-adapter")
+    assert str(ours.value).startswith(str(theirs.value).rstrip("."))  # PEFT's tests match on its sentence
+    assert "adapters: ['default']" in str(ours.value)
+
+
+def test_the_0_1_accessor_still_reaches_the_prompt_with_a_deprecation_warning(make_peft, tmp_path):
+    model = make_peft()
+    model.add_adapter("other", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, init_seed=1))
+    keys, params = list(model.state_dict()), [n for n, _ in model.named_parameters()]
+    modules = [n for n, _ in model.named_modules()]
+    with pytest.warns(DeprecationWarning, match=r"removed in 0\.4\.0; use `model\.base_model\.prompt\(name\)`") as w:
+        legacy = model.base_model.softprompt_plus.prompt
+    assert w[0].filename == __file__  # points at the caller's line
+    assert legacy is model.base_model.prompt_bank.prompts
+    assert [legacy[n] is model.base_model.prompt(n) for n in ("default", "other")] == [True, True]
+    with pytest.warns(DeprecationWarning):
+        assert model.softprompt_plus.prompt["default"] is legacy["default"]  # through PEFT's attribute forwarding
+    # Nothing new is registered: state dict, parameters, modules and the saved file are as before.
+    assert list(model.state_dict()) == keys and [n for n, _ in model.named_parameters()] == params
+    assert [n for n, _ in model.named_modules()] == modules
+    model.save_pretrained(tmp_path)
+    assert set(load_file(tmp_path / "adapter_model.safetensors")) == {"base_model.softprompt_plus.prompt"}
+    with pytest.raises(AttributeError):  # nn.Module's own attribute errors are untouched
+        getattr(model.base_model, "softprompt_plus_nope")  # noqa: B009

@@ -27,6 +27,7 @@ _PUBLIC = {  # name -> the module that defines it
     "distill_prompt": "distill",
     "student_inputs": "distill_data",
     "student_text": "distill_data",
+    "prompt_embeds": "serving",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

@@ -7,3 +7,11 @@ SAVED_KEY = "base_model.softprompt_plus.prompt"  # the prompt's key in adapter_m
 BASE_ROW = "__base__"  # `adapter_names` entry for a row without a prompt (PEFT's convention)
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+ENCODER_FILE = "adapter_encoder.safetensors"  # a residual adapter's raw prompt + encoder, read only to resume training
+RAW_KEY = "prompt"  # the raw (unfolded) prompt's key in ENCODER_FILE; the encoder's are `encoder.<name>`
+
+
+def encoder_state(state_dict: dict, adapter_name: str) -> dict:
+    """An adapter's encoder tensors in a model state dict, by the encoder's own names (`down.weight`, ...)."""
+    marker = f"{BANK}.softprompt_plus_encoder.{adapter_name}."
+    return {k.split(marker, 1)[1]: v for k, v in state_dict.items() if marker in k}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,6 +55,23 @@ def _original(owner, name: str) -> Callable:
 # ---------------------------------------------------------------------------------------------- the replacements
 
 
+# PeftModel.__init__ reads `model.is_gradient_checkpointing` (peft_model.py:184 in 0.21.2), an alias transformers 5
+# deprecated with a FutureWarning, so every attach and load warned about a line of PEFT's. Hidden here, where PEFT
+# raises it (every constructor path and import order meets it: `get_peft_model`, `from_pretrained`, AutoPeftModel*),
+# for our adapters and that message only. catch_warnings swaps the process-wide filters while PEFT's __init__ runs.
+_PEFT_OWN_WARNING = r"`is_gradient_checkpointing` is deprecated"
+
+
+def softprompt_plus_peft_model_init(self, model, peft_config, *args, **kwargs):
+    """PEFT's own, without its deprecation warning for our adapters."""
+    init = _original(PeftModel, "__init__")
+    if getattr(peft_config, "peft_type", None) != METHOD:
+        return init(self, model, peft_config, *args, **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_PEFT_OWN_WARNING, category=FutureWarning)
+        return init(self, model, peft_config, *args, **kwargs)
+
+
 def softprompt_plus_save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
     """Ours: written to a staging folder and swapped in atomically, with our model card (saving.py)."""
     save = _original(PeftModel, "save_pretrained")
@@ -65,6 +83,7 @@ def softprompt_plus_save_pretrained(self, save_directory, *args, is_main_process
 
     def write_into(staging: str):
         result = save(self, staging, *args, is_main_process=True, **kwargs)
+        saving.write_beside(self, staging, kwargs.get("state_dict"))  # a residual encoder, to resume training
         model_card.write_model_card(self, staging, adapter_ref=os.fspath(save_directory))
         return result
 
@@ -100,11 +119,16 @@ def softprompt_plus_from_pretrained(cls, model, model_id, *args, **kwargs):
 
 
 def softprompt_plus_load_adapter(self, model_id, adapter_name: str, *args, **kwargs):
-    """A local adapter folder is checked before PEFT adds anything to the model."""
+    """A local adapter folder is checked before PEFT adds anything to the model; a trainable load of a residual
+    adapter reads the encoder saved beside it."""
+    load = _original(PeftModel, "load_adapter")
+    if not _is_ours(self):
+        return load(self, model_id, adapter_name, *args, **kwargs)
     folder = os.path.join(os.fspath(model_id), kwargs.get("subfolder") or "") if _is_path(model_id) else None
-    if _is_ours(self) and folder is not None and os.path.isdir(folder):
+    if folder is not None and os.path.isdir(folder):
         loading.check_folder(folder, self.get_base_model())
-    return _original(PeftModel, "load_adapter")(self, model_id, adapter_name, *args, **kwargs)
+    with loading.loading_from(self.base_model, model_id, kwargs):
+        return load(self, model_id, adapter_name, *args, **kwargs)
 
 
 def softprompt_plus_set_adapter(self, adapter_name, *args, **kwargs):
@@ -115,14 +139,9 @@ def softprompt_plus_set_adapter(self, adapter_name, *args, **kwargs):
 
 
 def softprompt_plus_delete_adapter(self, adapter_name):
-    """Ours: an existing name, and never the last adapter (PeftModel can't live without one)."""
+    """Ours: one existing name, PEFT's message with the adapter list (the last one may go, as in PEFT)."""
     if _is_ours(self):
         routing.check_adapter_name(adapter_name, list(self.peft_config), "delete_adapter")
-        if list(self.peft_config) == [adapter_name]:
-            raise ValueError(
-                f"`adapter_name`={adapter_name!r} is the model's last adapter; a PeftModel can't live without one. "
-                "Call `model.unload()` to get the base model back, or add another adapter first."
-            )
     return _original(PeftModel, "delete_adapter")(self, adapter_name)
 
 
@@ -150,13 +169,14 @@ class Patch:
 
 
 PATCHES: tuple[Patch, ...] = (
+    Patch(PeftModel, "__init__", softprompt_plus_peft_model_init, "PEFT's own deprecation warning, not the user's"),
     Patch(PeftModel, "save_pretrained", softprompt_plus_save_pretrained, "crash-safe save, our model card"),
     Patch(PeftModel, "push_to_hub", softprompt_plus_push_to_hub, "transformers' push replaces our model card"),
     Patch(PeftModel, "create_or_update_model_card", softprompt_plus_create_or_update_model_card, "our card section"),
     Patch(PeftModel, "from_pretrained", softprompt_plus_from_pretrained, "diagnose files; roll back", True),
-    Patch(PeftModel, "load_adapter", softprompt_plus_load_adapter, "diagnose damaged files first"),
+    Patch(PeftModel, "load_adapter", softprompt_plus_load_adapter, "diagnose damaged files; resume an encoder"),
     Patch(PeftModel, "set_adapter", softprompt_plus_set_adapter, "name errors that list the adapters"),
-    Patch(PeftModel, "delete_adapter", softprompt_plus_delete_adapter, "never the last adapter"),
+    Patch(PeftModel, "delete_adapter", softprompt_plus_delete_adapter, "name errors that list the adapters"),
     Patch(peft.mapping_func, "get_peft_model", softprompt_plus_get_peft_model, "a clear error for a non-module"),
     Patch(peft, "get_peft_model", softprompt_plus_get_peft_model, "the same function, as `from peft import` sees it"),
 )

@@ -33,7 +33,9 @@ class PromptKV:
 
     `layers[module]` holds `([A, Hkv, N, hd], [A, Hkv, N, hd])` for A prompts of at most N positions; prompt `a` has
     `lengths[a]` real positions (the rest is padding no query reads). `rows[b]` is the prompt row `b` reads (-1: none);
-    None means every row reads prompt 0. `query_offset` is the index of the first query in the text (decode steps).
+    None means every row reads prompt 0. `query_offset` is the index of the first query in the text (decode steps);
+    `positions` `[B, q]` are the queries' position ids, which count real tokens only (a sliding window measures the
+    prompt-to-text distance with them, so left padding never pushes the prompt out of a window).
     """
 
     lengths: torch.Tensor  # [A]
@@ -41,6 +43,7 @@ class PromptKV:
     capturing: bool = False
     query_offset: int = 0
     layers: dict = field(default_factory=dict)
+    positions: Optional[torch.Tensor] = None  # [B, q]
     _masks: dict = field(default_factory=dict)
 
     @classmethod
@@ -66,9 +69,10 @@ class PromptKV:
             return lengths.expand(batch)
         return torch.where(self.rows_mask(batch, device), self.for_rows(lengths, batch), 0)
 
-    def at(self, query_offset: int) -> "PromptKV":
-        """The same prompt keys/values for a forward whose first query sits at `query_offset` (a decode step)."""
-        return PromptKV(self.lengths, self.rows, False, query_offset, self.layers)
+    def at(self, query_offset: int, positions: Optional[torch.Tensor] = None) -> "PromptKV":
+        """The same prompt keys/values for a forward whose first query sits at `query_offset` (a decode step), its
+        queries at `positions` `[B, q]`."""
+        return PromptKV(self.lengths, self.rows, False, query_offset, self.layers, positions=positions)
 
     def for_rows(self, tensor: torch.Tensor, batch: int) -> torch.Tensor:
         """`[A, ...]` -> `[batch, ...]`; `batch` may be a multiple of B (beams, `num_return_sequences`)."""
@@ -105,8 +109,13 @@ class PromptKV:
         j = torch.arange(width, device=device)  # [N] prompt key index
         prompt = j[None, None, None, :] < lengths[:, None, None, None]  # [b', 1, 1, N]
         if window:
-            # Query t sits at absolute index length+t; prompt key j is inside its window when the distance is < W.
-            distance = lengths[:, None, None, None] + t[None, None, :, None] - j  # [b', 1, q, N]
+            # Prompt key j is inside a query's window when their distance is < W; a query's position id is its
+            # distance from the prompt's start counting real tokens only (as in the row alone). Without position
+            # ids, query t sits at index length + t.
+            if self.positions is not None:
+                distance = self.positions.to(device)[:, None, :, None] - j  # [B, 1, q, N]
+            else:
+                distance = lengths[:, None, None, None] + t[None, None, :, None] - j  # [b', 1, q, N]
             prompt = prompt & (distance < window)
         rows = max(prompt.shape[0], text.shape[0])
         allowed = torch.cat([prompt.expand(rows, 1, q, width), text.expand(rows, 1, q, kv)], dim=-1)  # [b, 1, q, N+kv]

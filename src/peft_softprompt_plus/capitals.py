@@ -143,13 +143,34 @@ def exact_match(model, tokenizer, pairs: list[tuple[str, str]], prefix: str = ""
     return sum(a == capital for a, (_, capital) in zip(answers, pairs, strict=True)) / len(pairs)
 
 
+@torch.no_grad()
+def answer_nll(model, tokenizer, pairs: list[tuple[str, str]], prefix: str = "", batch_size: int = 32) -> float:
+    """Mean negative log-likelihood per answer token (the capital and its newline) under teacher forcing: a
+    smoother measure than exact match, which moves by 1.1 points per country on 88 of them."""
+    total, count = 0.0, 0
+    for start in range(0, len(pairs), batch_size):
+        rows = [encode(tokenizer, c, k, prefix) for c, k in pairs[start : start + batch_size]]
+        batch = left_padded(rows, _pad_id(tokenizer))
+        labels = batch.pop("labels")
+        logits = model(**batch).logits[:, -labels.shape[1] :].float()  # [B, L, V] (PEFT's carry N more in front)
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        total += nll.item()
+        count += int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return total / count
+
+
 @dataclass
 class Curve:
-    """Held-out exact match after `steps[i]` optimizer steps and `seconds[i]` of training wall time."""
+    """Held-out exact match after `steps[i]` optimizer steps, `seconds[i]` of training wall time and `cpu[i]` of
+    training process CPU time (which another process on the machine doesn't inflate); `loss[i]`: the mean training
+    loss of the last 10 steps. The last entry is the end of training (its score is None unless it was evaluated)."""
 
     steps: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
-    score: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    score: list[Optional[float]] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
 
 
@@ -175,20 +196,21 @@ def tune(
     rng = random.Random(seed)
     encoded = [encode(tokenizer, country, capital) for country, capital in split.train]
     pad = _pad_id(tokenizer)
-    curve, spent, losses = Curve(), 0.0, []
+    curve, spent, cpu, losses = Curve(), 0.0, 0.0, []
 
-    def record(step: int) -> None:
+    def record(step: int, scored: bool) -> None:
         model.eval()
         curve.steps.append(step)
         curve.seconds.append(spent)
-        curve.score.append(score(model))
+        curve.cpu.append(cpu)
+        curve.score.append(score(model) if scored else None)
         curve.loss.append(sum(losses[-10:]) / max(len(losses[-10:]), 1))
 
     if 0 in evaluate_at:
-        record(0)
+        record(0, True)
     for step in range(1, steps + 1):
         model.train()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss = model(**left_padded(rng.sample(encoded, batch_size), pad)).loss
         loss.backward()
         opt.step()
@@ -196,13 +218,11 @@ def tune(
         if scheduler is not None:
             scheduler.step()
         spent += time.perf_counter() - start
+        cpu += time.process_time() - start_cpu
         losses.append(loss.item())
         if on_step is not None:
             on_step(losses[-1])
-        if step in evaluate_at:
-            record(step)
+        if step in evaluate_at or step == steps:
+            record(step, step in evaluate_at)
     model.eval()
-    if steps not in evaluate_at:  # the curve always ends with the training time spent (not scored)
-        curve.steps.append(steps)
-        curve.seconds.append(spent)
     return curve

@@ -25,6 +25,14 @@ class PromptInit(_Choice):
     RANDOM = "random"
     VOCAB = "vocab"
     TEXT = "text"
+    LABELS = "labels"
+
+
+class Reparameterization(_Choice):
+    """How the trained `[N, D]` prompt is produced from its parameters (see `reparam.py`)."""
+
+    NONE = "none"
+    RESIDUAL = "residual"
 
 
 class ValidateGradients(_Choice):
@@ -59,22 +67,49 @@ class SoftPromptPlusConfig(PeftConfig):
         metadata={
             "help": "`random`: normal noise scaled to the statistics of the model's word embeddings; `vocab`: rows "
             "of the embedding matrix of randomly drawn non-special tokens; `text`: rows of the tokenized "
-            "`prompt_init_text`, tiled or truncated to N."
+            "`prompt_init_text`, tiled or truncated to N; `labels`: one row per word of `prompt_init_labels` (the "
+            "mean of its sub-tokens' embeddings), the remaining rows drawn from the vocabulary's first "
+            "(most frequent) tokens (Lester et al., 2021)."
         },
     )
     prompt_init_text: Optional[str] = field(
         default=None,
         metadata={"help": "The text whose token embeddings initialize the prompt (`prompt_init='text'`)."},
     )
+    prompt_init_labels: Optional[list[str]] = field(
+        default=None,
+        metadata={
+            "help": "The label words (class names, answers) whose embeddings start the prompt (`prompt_init="
+            "'labels'`); tokenized as given, so include the leading space your text has (' positive'). Words past N "
+            "are not used."
+        },
+    )
     tokenizer_name_or_path: Optional[str] = field(
         default=None,
         metadata={
-            "help": "Tokenizer used to tokenize `prompt_init_text` (local path or Hub id; `prompt_init='text'`)."
+            "help": "Tokenizer used to tokenize `prompt_init_text` or `prompt_init_labels` (local path or Hub id; "
+            "`prompt_init='text'` or `'labels'`)."
         },
     )
     init_seed: Optional[int] = field(
         default=None,
         metadata={"help": "Seed for `random` and `vocab` init; None draws from torch's global generator."},
+    )
+    reparameterization: Reparameterization = field(
+        default=Reparameterization.NONE,
+        metadata={
+            "help": "`none`: the prompt is trained directly. `residual`: Residual Prompt Tuning (Razdaibiedina et "
+            "al., 2023): every prompt row goes through one shared MLP with a skip connection while training, "
+            "`P + LayerNorm(up(relu(down(P))))`; `save_pretrained` writes the folded `[N, D]` table as the adapter "
+            "(so every loader and serving engine sees a plain prompt) and the encoder beside it, so training resumes."
+        },
+    )
+    residual_hidden: int = field(
+        default=400, metadata={"help": "The residual encoder's bottleneck width m (`reparameterization='residual'`)."}
+    )
+    residual_layer_norm: bool = field(
+        default=True,
+        metadata={"help": "Whether the residual branch ends in a LayerNorm (`reparameterization='residual'`)."},
     )
     validate_gradients: ValidateGradients = field(
         default=ValidateGradients.RAISE,
@@ -112,7 +147,12 @@ class SoftPromptPlusConfig(PeftConfig):
             setattr(self, name, choice(getattr(self, name)))  # the enum member (a str)
 
 
-_CHOICES = {"prompt_init": PromptInit, "validate_gradients": ValidateGradients, "forward_path": ForwardPath}
+_CHOICES = {
+    "prompt_init": PromptInit,
+    "reparameterization": Reparameterization,
+    "validate_gradients": ValidateGradients,
+    "forward_path": ForwardPath,
+}
 
 
 def _choice(name: str) -> Callable[[SoftPromptPlusConfig], Optional[str]]:
@@ -159,13 +199,40 @@ def _text_init(c: SoftPromptPlusConfig) -> Optional[str]:
     return None
 
 
-def _tokenizer(c: SoftPromptPlusConfig) -> Optional[str]:
-    if c.prompt_init == PromptInit.TEXT.value and not c.tokenizer_name_or_path:
+def _labels(c: SoftPromptPlusConfig) -> Optional[str]:
+    labels, wanted = c.prompt_init_labels, c.prompt_init == PromptInit.LABELS.value
+    words = labels if isinstance(labels, (list, tuple)) else []
+    well_formed = bool(words) and all(isinstance(w, str) and w.strip() for w in words)
+    if wanted and not well_formed:
         return (
-            f"`tokenizer_name_or_path` is needed when `prompt_init='text'`, got {c.tokenizer_name_or_path!r}. Pass a "
-            "local tokenizer directory or Hub id."
+            "`prompt_init_labels` must be a non-empty list of non-empty strings when `prompt_init='labels'`, got "
+            f"{labels!r}. Pass the label words, e.g. [' positive', ' negative']."
+        )
+    if not wanted and labels is not None:
+        return (
+            f"`prompt_init_labels` is only used with `prompt_init='labels'`, got prompt_init={str(c.prompt_init)!r} "
+            f"with prompt_init_labels={labels!r}. Set `prompt_init='labels'` or drop the labels."
         )
     return None
+
+
+def _tokenizer(c: SoftPromptPlusConfig) -> Optional[str]:
+    needs = c.prompt_init in (PromptInit.TEXT.value, PromptInit.LABELS.value)
+    if needs and not c.tokenizer_name_or_path:
+        return (
+            f"`tokenizer_name_or_path` is needed when `prompt_init={str(c.prompt_init)!r}`, got "
+            f"{c.tokenizer_name_or_path!r}. Pass a local tokenizer directory or Hub id."
+        )
+    return None
+
+
+def _residual(c: SoftPromptPlusConfig) -> Optional[str]:
+    problems = []
+    if not _is_int(c.residual_hidden) or c.residual_hidden < 1:
+        problems.append(f"`residual_hidden` must be a positive int, got {c.residual_hidden!r}.")
+    if not isinstance(c.residual_layer_norm, bool):
+        problems.append(f"`residual_layer_norm` must be True or False, got {c.residual_layer_norm!r}.")
+    return " ".join(problems) or None
 
 
 def _init_seed(c: SoftPromptPlusConfig) -> Optional[str]:
@@ -186,7 +253,9 @@ _CHECKS: tuple[Callable[[SoftPromptPlusConfig], Optional[str]], ...] = (
     _num_virtual_tokens,
     *(_choice(name) for name in _CHOICES),
     _text_init,
+    _labels,
     _tokenizer,
+    _residual,
     _init_seed,
     _modules_to_save,
 )

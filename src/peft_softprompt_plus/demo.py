@@ -57,6 +57,8 @@ def pretrain_tiny(steps: int, seed: int, progress: bool):
     """A tiny GPT-2 that knows both tagged tasks, so the prompt has something to select."""
     tokenizer = tiny_tokenizer()
     model = tiny_gpt2(seed=seed, vocab_size=len(tokenizer), n_layer=2, n_embd=64).train()
+    # GPT-2 names no loss and transformers warns when it falls back to this one; the name isn't saved with the model.
+    model.loss_type = "ForCausalLM"
     rows = [encode(tokenizer, " " + tag, a, b) for tag, step in TAGS.items() for a, b in pairs(WORDS, step)]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(seed)

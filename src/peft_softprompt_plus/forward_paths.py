@@ -226,6 +226,8 @@ def attention_inputs(
         kwargs["inputs_embeds"] = _HandBack.apply(hand_back[0], kwargs["inputs_embeds"], *hand_back[1])
     kwargs["attention_mask"] = text_mask if attention_mask is not None or in_text else None
     kwargs["position_ids"] = semantics.positions(text_mask, shared)  # [B, in_text+L]
+    if attention.KWARG in kwargs:
+        kwargs[attention.KWARG] = kwargs[attention.KWARG].at(0, kwargs["position_ids"])
     return PromptedBatch(kwargs, in_text, mask, row_prompts, prompt_last)
 
 

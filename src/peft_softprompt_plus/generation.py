@@ -86,7 +86,7 @@ def _prompt_at_attention(model: nn.Module, prompt_kv: attention.PromptKV):
     def pre_hook(module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         seen = cache.get_seq_length() if cache is not None else 0
-        return args, {**kwargs, attention.KWARG: prompt_kv.at(int(seen))}
+        return args, {**kwargs, attention.KWARG: prompt_kv.at(int(seen), kwargs.get("position_ids"))}
 
     handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
     try:

@@ -95,7 +95,7 @@ def _zero_gradient(ev: Evidence) -> list[str]:
     for name, grad in ev.grads.items():
         if grad is None or not torch.isfinite(grad).all():
             continue
-        rows = grad.reshape(grad.shape[0] if grad.dim() else 1, -1)  # [N, D] for a prompt
+        rows = grad.reshape(1 if name in ev.whole or not grad.dim() else grad.shape[0], -1)  # [N, D] for a prompt
         zero = (rows == 0).all(dim=1).nonzero().flatten().tolist()
         if zero:
             which = "all" if len(zero) == len(rows) else f"rows {zero[:8]}{'...' if len(zero) > 8 else ''} of"

@@ -23,6 +23,7 @@ class Evidence:
     prompts: dict[str, torch.Tensor]
     base: list[tuple[str, torch.Tensor]]  # every parameter that is not a soft prompt
     allowed: set[int]  # ids of base parameters meant to train (PEFT `modules_to_save` copies)
+    whole: set[str] = field(default_factory=set)  # a residual encoder's weights: judged whole, not row by row
     grad_mode: Optional[str] = None  # the context that disabled gradients; None when they are enabled
     loss: Any = _NOT_RUN
     outputs_graph: Optional[bool] = None
@@ -56,7 +57,13 @@ def prompts_of(model: nn.Module, prompt=None) -> dict[str, torch.Tensor]:
                 f"(non-tensors: {bad}). Pass the tensor(s) your model learns."
             )
         return named
-    found = {n: bank.prompts[n] for bank in _banks(model) for n in bank.active_adapters if n in bank.prompts}
+    found = {
+        name: tensor
+        for bank in _banks(model)
+        for n in bank.active_adapters
+        if n in bank.prompts
+        for name, tensor in bank.trainable(n).items()
+    }
     if not found:
         raise ValueError(
             f"`model` ({type(model).__name__}) has no active softprompt-plus prompt. Attach one with "
@@ -76,7 +83,9 @@ def static_evidence(model: nn.Module, prompts: dict[str, torch.Tensor], optimize
         for p in getattr(m, attr).parameters()
     }
     base = [(n, p) for n, p in model.named_parameters() if id(p) not in own]
-    return Evidence(model=model, prompts=prompts, base=base, allowed=allowed, optimizer=optimizer)
+    encoders = {id(p) for bank in _banks(model) for p in bank.encoders.parameters()}
+    whole = {name for name, p in prompts.items() if id(p) in encoders}  # a dead ReLU unit has a zero row
+    return Evidence(model=model, prompts=prompts, base=base, allowed=allowed, whole=whole, optimizer=optimizer)
 
 
 def has_graph(value) -> bool:

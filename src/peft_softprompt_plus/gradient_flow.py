@@ -207,16 +207,18 @@ def check_gradient_flow(
 @contextlib.contextmanager
 def _probing(tuner, adapter_name: str):
     # `add_adapter` attaches an inactive, frozen prompt: make it the trainable active one while it is probed.
-    param = tuner.prompt(adapter_name)
-    active, requires_grad = tuner.active_adapter, param.requires_grad
+    params = list(tuner.prompt_bank.trainable(adapter_name).values())
+    active, requires_grad = tuner.active_adapter, [p.requires_grad for p in params]
     tuner.active_adapter = adapter_name
-    param.requires_grad_(True)
+    for param in params:
+        param.requires_grad_(True)
     try:
         with torch.inference_mode(False), _undisturbed(tuner, torch.enable_grad()):
             yield
     finally:
         tuner.active_adapter = active
-        param.requires_grad_(requires_grad)
+        for param, flag in zip(params, requires_grad, strict=True):
+            param.requires_grad_(flag)
 
 
 _LIBRARIES = tuple(os.path.dirname(m.__file__) for m in (torch, peft, transformers)) + (os.path.dirname(__file__),)
@@ -248,7 +250,7 @@ def handle_failure(report: GradientFlowReport, mode: str) -> None:
 
 def validate_at_attach(tuner, adapter_name: str, mode: str) -> None:
     """Probe `adapter_name` through the tuner's real forward on one token; act on findings per `mode`."""
-    prompts = {adapter_name: tuner.prompt(adapter_name)}
+    prompts = tuner.prompt_bank.trainable(adapter_name)  # the prompt, and a residual encoder's weights
     with _probing(tuner, adapter_name):
         report = _report(_measure(tuner, _probe_batch(tuner, adapter_name), prompts, _probe_loss, None, True))
     handle_failure(report, mode)

@@ -4,7 +4,9 @@ Checked before PEFT touches the base model, so a failed load hands the model bac
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -12,7 +14,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._names import CONFIG_FILE, METHOD, SAVED_KEY, WEIGHT_FILES
+from ._names import BANK, CONFIG_FILE, ENCODER_FILE, METHOD, RAW_KEY, SAVED_KEY, WEIGHT_FILES
+
+logger = logging.getLogger(__name__)
 
 
 class AdapterFileError(ValueError):
@@ -154,3 +158,89 @@ class BaseState:
             model.config._attn_implementation = self.attention
         if hasattr(model, "loss_type"):
             model.loss_type = self.loss_type
+
+
+@contextlib.contextmanager
+def loading_from(tuner, model_id, kwargs: dict):
+    """While PEFT loads an adapter from `model_id`, `resume_state` can find the file saved beside it."""
+    tuner._encoder_source = (os.fspath(model_id), kwargs.get("subfolder"), kwargs.get("revision"), kwargs.get("token"))
+    try:
+        yield
+    finally:
+        tuner._encoder_source = None
+
+
+def _source_file(source) -> Optional[str]:
+    if source is None:
+        return None
+    model_id, subfolder, revision, token = source
+    local = os.path.join(model_id, subfolder or "", ENCODER_FILE)
+    if os.path.isdir(model_id):
+        return local if os.path.isfile(local) else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return hf_hub_download(model_id, ENCODER_FILE, subfolder=subfolder, revision=revision, token=token)
+    except EntryNotFoundError:
+        return None
+
+
+def remapped_for_load(tuner, bank_name: str, adapter_name: str, state_dict: dict) -> dict[str, torch.Tensor]:
+    """A saved adapter's state dict under the live model's names (PEFT's `_remap_adapter_state_dict_for_load`),
+    checked: an AdapterFileError names what doesn't fit."""
+    bank = getattr(tuner, BANK)
+    saved = [k for k in state_dict if k.endswith(SAVED_KEY)]
+    expected = tuple(bank.prompts[adapter_name].shape)
+    problems = [diagnose_prompt(state_dict[k], expected, "The saved adapter") for k in saved]
+    if not saved:
+        problems.append(
+            f"The adapter weights hold no soft prompt (no key ending in {SAVED_KEY!r}; found "
+            f"{sorted(state_dict)[:5]}): it is not a softprompt-plus adapter."
+        )
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise AdapterFileError(problem)
+    remapped = {k: v for k, v in state_dict.items() if k not in saved}
+    remapped.update({f"{bank_name}.softprompt_plus_prompt.{adapter_name}": state_dict[k] for k in saved})
+    # Training on from a reparameterised adapter: the raw prompt and encoder saved beside the folded table.
+    remapped.update(resume_state(tuner, bank_name, adapter_name))
+    return remapped
+
+
+def resume_state(tuner, bank_name: str, adapter_name: str) -> dict[str, torch.Tensor]:
+    """State-dict entries that restore a reparameterised adapter's raw prompt and encoder for more training; `{}`
+    for a plain one. Without the file beside the adapter, the folded table trains on as a plain prompt."""
+    bank = getattr(tuner, BANK)
+    if adapter_name not in bank.encoders:
+        return {}
+    path = _source_file(getattr(tuner, "_encoder_source", None))
+    if path is None:
+        logger.warning(
+            "Adapter %r was trained with reparameterization='residual', but its folder has no %s (only the "
+            "folded prompt was kept): it trains on as a plain prompt from the folded values.",
+            adapter_name,
+            ENCODER_FILE,
+        )
+        del bank.encoders[adapter_name]
+        return {}
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    expected = {RAW_KEY: bank.prompts[adapter_name].shape}
+    expected.update({f"encoder.{k}": v.shape for k, v in bank.encoders[adapter_name].state_dict().items()})
+    found = {k: v.shape for k, v in tensors.items()}
+    if found != expected:
+        raise AdapterFileError(
+            f"{path!r} does not fit adapter {adapter_name!r}: it holds {_shapes(found)}, but the adapter's config "
+            f"(num_virtual_tokens, residual_hidden, residual_layer_norm) needs {_shapes(expected)}. Restore it from "
+            "the same save as adapter_config.json."
+        )
+    prefix = f"{bank_name}.softprompt_plus_"
+    out = {f"{prefix}prompt.{adapter_name}": tensors[RAW_KEY]}
+    out.update({f"{prefix}encoder.{adapter_name}.{k[8:]}": v for k, v in tensors.items() if k != RAW_KEY})
+    return out
+
+
+def _shapes(shapes: dict) -> str:
+    return ", ".join(f"{k} {list(v)}" for k, v in sorted(shapes.items()))

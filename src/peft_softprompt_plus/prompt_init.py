@@ -11,6 +11,7 @@ from torch import nn
 from .config import PromptInit, SoftPromptPlusConfig
 
 _STAT_CHUNK_ROWS = 4096
+FREQUENT = 5000  # Lester et al. draw from the 5,000 most common tokens; BPE and SentencePiece ids follow frequency
 
 
 def _generator(seed: Optional[int], device: torch.device) -> Optional[torch.Generator]:
@@ -19,16 +20,22 @@ def _generator(seed: Optional[int], device: torch.device) -> Optional[torch.Gene
     return torch.Generator(device=device).manual_seed(seed)
 
 
+@torch.no_grad()
 def _rows(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    # `index_select` allocates; `.float()` then makes sure we never hand back a view of `wte`.
-    return embedding.weight.detach().index_select(0, ids.to(embedding.weight.device)).float().clone()  # [N, D]
+    # The module, not its weight rows: Gemma's embedding scales its rows by sqrt(D) inside `forward`, and the prompt
+    # must look like what text tokens become. `.float().clone()`: never a view of `wte`.
+    return embedding(ids.to(embedding.weight.device)).float().clone()  # [N, D]
 
 
-def _embedding_stats(weight: torch.Tensor) -> tuple[float, float]:
-    """Mean and std over all entries, in float64 chunks, so a low-precision `wte` is never copied whole."""
+@torch.no_grad()
+def embedding_stats(embedding: nn.Embedding) -> tuple[float, float]:
+    """Mean and std of what the embedding module outputs over the whole vocabulary, in float64 chunks, so a
+    low-precision `wte` is never copied whole."""
     total, total_sq, count = 0.0, 0.0, 0
-    for chunk in weight.detach().split(_STAT_CHUNK_ROWS):
-        chunk = chunk.double()
+    device = embedding.weight.device
+    for start in range(0, embedding.num_embeddings, _STAT_CHUNK_ROWS):
+        ids = torch.arange(start, min(start + _STAT_CHUNK_ROWS, embedding.num_embeddings), device=device)
+        chunk = embedding(ids).double()
         total += chunk.sum().item()
         total_sq += chunk.square().sum().item()
         count += chunk.numel()
@@ -39,7 +46,7 @@ def _embedding_stats(weight: torch.Tensor) -> tuple[float, float]:
 def _random(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
     # PEFT's N(0, 1) is ~50x GPT-2's embedding scale; matching wte's statistics keeps the prompt on-manifold.
     n, dim = config.num_virtual_tokens, embedding.embedding_dim
-    mean, std = _embedding_stats(embedding.weight)
+    mean, std = embedding_stats(embedding)
     device = embedding.weight.device
     noise = torch.randn(n, dim, generator=_generator(config.init_seed, device), device=device, dtype=torch.float32)
     return noise * std + mean  # [N, D]
@@ -65,34 +72,65 @@ def _vocab(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) 
     return _rows(embedding, allowed[pick])
 
 
-def _text(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
+def _tokenizer(config: SoftPromptPlusConfig):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name_or_path)
+        return AutoTokenizer.from_pretrained(config.tokenizer_name_or_path)
     except (OSError, ValueError) as err:
         raise ValueError(
             f"`tokenizer_name_or_path`={config.tokenizer_name_or_path!r} could not be loaded for "
-            f"`prompt_init='text'`: {err}. Pass a local tokenizer directory."
+            f"`prompt_init={str(config.prompt_init)!r}`: {err}. Pass a local tokenizer directory."
         ) from err
-    ids = tokenizer(config.prompt_init_text, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise ValueError(f"`prompt_init_text`={config.prompt_init_text!r} tokenizes to no tokens.")
+
+
+def _check_ids(config: SoftPromptPlusConfig, ids: list[int], embedding: nn.Embedding) -> None:
     too_big = [i for i in ids if i >= embedding.num_embeddings]
     if too_big:
         raise ValueError(
             f"`tokenizer_name_or_path`={config.tokenizer_name_or_path!r} produced token ids {too_big[:5]} outside "
             f"the model's vocabulary of {embedding.num_embeddings}: the tokenizer does not belong to this model."
         )
+
+
+def _text(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
+    ids = _tokenizer(config)(config.prompt_init_text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"`prompt_init_text`={config.prompt_init_text!r} tokenizes to no tokens.")
+    _check_ids(config, ids, embedding)
     n = config.num_virtual_tokens
     tiled = (ids * (n // len(ids) + 1))[:n]
     return _rows(embedding, torch.tensor(tiled, dtype=torch.long))
+
+
+def _labels(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
+    """One row per label word (its sub-tokens' mean embedding), then rows of frequent tokens (Lester et al.)."""
+    tokenizer = _tokenizer(config)
+    n = config.num_virtual_tokens
+    words = list(config.prompt_init_labels)[:n]
+    rows = []
+    for word in words:
+        ids = tokenizer(word, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"`prompt_init_labels` holds {word!r}, which the tokenizer encodes to no tokens.")
+        _check_ids(config, ids, embedding)
+        rows.append(_rows(embedding, torch.tensor(ids, dtype=torch.long)).mean(dim=0))  # [D]
+    special = _special_token_ids(model_config) | set(getattr(tokenizer, "all_special_ids", []))
+    frequent = [i for i in range(min(embedding.num_embeddings, FREQUENT + len(special))) if i not in special]
+    missing, generator = n - len(words), _generator(config.init_seed, "cpu")
+    if missing <= len(frequent):  # distinct tokens where the vocabulary has enough
+        pick = torch.randperm(len(frequent), generator=generator)[:missing]
+    else:
+        pick = torch.randint(len(frequent), (missing,), generator=generator)
+    fill = _rows(embedding, torch.tensor(frequent, dtype=torch.long)[pick]) if len(pick) else None
+    return torch.cat([torch.stack(rows), *([fill] if fill is not None else [])])  # [N, D]
 
 
 INIT_STRATEGIES: dict[str, Callable[[SoftPromptPlusConfig, nn.Embedding, object], torch.Tensor]] = {
     PromptInit.RANDOM.value: _random,
     PromptInit.VOCAB.value: _vocab,
     PromptInit.TEXT.value: _text,
+    PromptInit.LABELS.value: _labels,
 }
 
 

@@ -56,8 +56,20 @@ def route_rows(
     return Route(adapters, torch.tensor([index.get(n, -1) for n in adapter_names], dtype=torch.long))
 
 
+# PEFT's own sentence for an unknown name, per method: code (PEFT's tests among it) matches on it.
+_PEFT_WORDING = {"set_adapter": "Adapter {} not found", "delete_adapter": "Adapter {} does not exist"}
+
+
+def unknown_adapter(adapter_name, known: Sequence[str], method: str) -> ValueError:
+    """PEFT's message for an unknown adapter name, then the adapters there are."""
+    sentence = _PEFT_WORDING.get(method, "Adapter {} does not exist").format(adapter_name)
+    return ValueError(
+        f"{sentence}; adapters: {list(known)} (`adapter_name`={adapter_name!r}). Pass one of those names."
+    )
+
+
 def check_adapter_name(adapter_name, known: Sequence[str], method: str) -> None:
-    """One existing adapter name, for `set_adapter` and `delete_adapter`."""
+    """One existing adapter name, for `set_adapter`, `delete_adapter` and `prompt`."""
     if not isinstance(adapter_name, str):
         raise ValueError(
             f"`{method}` takes one adapter name (str), got {type(adapter_name).__name__} {adapter_name!r}. One soft "
@@ -65,7 +77,7 @@ def check_adapter_name(adapter_name, known: Sequence[str], method: str) -> None:
             "forward or generate, and to train several at once call `model.set_requires_grad([...])`."
         )
     if adapter_name not in known:
-        raise ValueError(f"`adapter_name`={adapter_name!r} does not exist; adapters: {list(known)}.")
+        raise unknown_adapter(adapter_name, known, method)
 
 
 def check_routable(route_: Route, concat: bool) -> None:

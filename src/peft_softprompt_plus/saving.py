@@ -11,7 +11,9 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
+
+from ._names import BANK, ENCODER_FILE, RAW_KEY, encoder_state
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -179,3 +181,20 @@ def atomic_save(write_into: Callable[[str], T], save_directory) -> T:
         return result
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # after a swap it holds the old adapter
+
+
+def write_beside(peft_model, folder: str, state_dict: Optional[dict]) -> None:
+    """After PEFT saved into `folder`: each reparameterised adapter it wrote gets its raw prompt and encoder beside
+    the folded table (PEFT's layout: `default` at the top, others in a subfolder of their name)."""
+    from safetensors.torch import save_file
+
+    bank = getattr(peft_model.base_model, BANK, None)
+    state = state_dict if state_dict is not None else peft_model.state_dict()
+    for name in list(getattr(bank, "encoders", {})):
+        target = folder if name == "default" else os.path.join(folder, name)
+        if not os.path.isfile(os.path.join(target, "adapter_config.json")):
+            continue  # not among `selected_adapters`
+        raw = next(v for k, v in state.items() if k.endswith(f"{BANK}.softprompt_plus_prompt.{name}"))
+        tensors = {RAW_KEY: raw, **{f"encoder.{k}": v for k, v in encoder_state(state, name).items()}}
+        tensors = {k: v.detach().float().contiguous().cpu() for k, v in tensors.items()}
+        save_file(tensors, os.path.join(target, ENCODER_FILE), metadata={"format": "pt"})

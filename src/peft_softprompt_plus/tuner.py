@@ -6,6 +6,7 @@ PEFT calls into it as it would into LoRA; the prompt itself lives in a `SoftProm
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Optional
 
 import torch
@@ -22,13 +23,15 @@ from . import (
     loading,
     precision,
     prompted,
+    reparam,
+    routing,
     saving,
     tying,
     validation,
 )
-from ._names import BANK, PREFIX, SAVED_KEY
+from ._names import BANK, PREFIX, SAVED_KEY, encoder_state
 from .config import ForwardPath
-from .prompt_bank import SoftPromptBank
+from .prompt_bank import LegacyBankView, SoftPromptBank
 from .prompt_init import initial_prompt
 from .tasks import task_of
 
@@ -68,25 +71,20 @@ class SoftPromptPlusModel(BaseTuner):
             # Recorded once, so `unload()` can hand back the base model exactly as it came.
             self._base_requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
             self._base_loss_type = getattr(model, "loss_type", None)
-            task.on_attach(model)
-            model.requires_grad_(False)
             self.prompt_bank = SoftPromptBank()
             self._kv_store = generation.PromptKVStore()
             self._pending_validation: set[str] = set()
-            self._own_attention = attention.install(model)
-            self._attention_path = forward_paths.attention_supported(model)
-            if not self._attention_path:
-                attention.uninstall(model, self._own_attention)
-                attention.log_once(
-                    f"{type(model).__name__} computes attention outside transformers' attention registry: its soft "
-                    "prompt is concatenated to every row (forward_path='concat')."
-                )
+        if not self.prompt_bank.prompts:  # the first adapter, or the first since the last one was deleted
+            self._start_prompting(model, task)
         trainable = adapter_name in self.active_adapters and not config.inference_mode
         try:
             if config.forward_path == ForwardPath.SHARED_KV and not self._attention_path:
                 raise forward_paths.shared_kv_refused(model, forward_paths.OUTSIDE_REGISTRY)
-            values = initial_prompt(config, model.get_input_embeddings(), model.config)
-            self.prompt_bank.add(adapter_name, values.to(model.get_input_embeddings().weight.device), trainable)
+            embedding = model.get_input_embeddings()
+            values = initial_prompt(config, embedding, model.config)
+            # An inference-mode adapter is a folded table (what save_pretrained writes): it needs no encoder.
+            encoder = None if config.inference_mode else reparam.encoder_for(config, embedding)
+            self.prompt_bank.add(adapter_name, values.to(embedding.weight.device), trainable, encoder)
             self.prompt_bank._active_adapter = list(self.active_adapters)
             set_additional_trainable_modules(
                 model=model,
@@ -103,14 +101,36 @@ class SoftPromptPlusModel(BaseTuner):
             self._roll_back(model, adapter_name)
             raise
 
-    def _roll_back(self, model: nn.Module, adapter_name: str) -> None:
-        """A failed attach leaves the base as it came: no half-added prompt, original `requires_grad` flags."""
-        if adapter_name in self.prompt_bank.prompts:
-            del self.prompt_bank.prompts[adapter_name]
-        if not self.prompt_bank.prompts:
+    def _start_prompting(self, model: nn.Module, task) -> None:
+        """What the first prompt needs from the base: frozen weights, our attention, the task's loss alias."""
+        self._flags_before = {n: p.requires_grad for n, p in model.named_parameters()}
+        task.on_attach(model)
+        model.requires_grad_(False)
+        self._own_attention = attention.install(model)
+        self._attention_path = forward_paths.attention_supported(model)
+        if not self._attention_path:
             attention.uninstall(model, self._own_attention)
+            attention.log_once(
+                f"{type(model).__name__} computes attention outside transformers' attention registry: its soft "
+                "prompt is concatenated to every row (forward_path='concat')."
+            )
+
+    def _stop_prompting(self, model: nn.Module) -> None:
+        """No prompt left: the model's own attention and loss come back, so it computes the base model exactly."""
+        attention.uninstall(model, self._own_attention)
+        if hasattr(model, "loss_type"):
+            model.loss_type = self._base_loss_type
+        self._kv_store.drop()
+
+    def _roll_back(self, model: nn.Module, adapter_name: str) -> None:
+        """A failed attach leaves the base as it was: no half-added prompt, the `requires_grad` flags it had."""
+        for table in (self.prompt_bank.prompts, self.prompt_bank.encoders):
+            if adapter_name in table:
+                del table[adapter_name]
+        if not self.prompt_bank.prompts:
+            self._stop_prompting(model)
             for name, param in model.named_parameters():
-                param.requires_grad_(self._base_requires_grad.get(name, param.requires_grad))
+                param.requires_grad_(self._flags_before.get(name, param.requires_grad))
 
     def _abandon_load(self, adapter_name: str) -> None:
         """A load that can't fit drops the adapter it just added, so the base model is handed back as it came."""
@@ -160,12 +180,13 @@ class SoftPromptPlusModel(BaseTuner):
         self.active_adapter = adapter_name
 
     def delete_adapter(self, adapter_name: str) -> None:
-        if adapter_name not in self.peft_config:
-            raise ValueError(f"`adapter_name`={adapter_name!r} does not exist; adapters: {list(self.peft_config)}.")
+        routing.check_adapter_name(adapter_name, list(self.peft_config), "delete_adapter")
         del self.peft_config[adapter_name]
         self._kv_store.drop(adapter_name)
         new_active = delete_adapter(self, adapter_name=adapter_name, prefix=self.prefix, layer_cls=SoftPromptBank)
         self.active_adapter = new_active or []
+        if not self.prompt_bank.prompts:  # PEFT's convention: without adapters the model is the base model
+            self._stop_prompting(self.model)
 
     def set_requires_grad(self, adapter_names, requires_grad: bool = True) -> None:
         set_requires_grad(self, adapter_names=adapter_names, requires_grad=requires_grad)
@@ -174,7 +195,7 @@ class SoftPromptPlusModel(BaseTuner):
         # A disabled adapter hands the model its own attention setting back, as `unload()` does.
         if not enabled:
             attention.uninstall(self.model, self._own_attention)
-        elif self._attention_path:
+        elif self._attention_path and self.prompt_bank.prompts:
             self._own_attention = attention.install(self.model)
         for module in self.modules():
             if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
@@ -189,9 +210,7 @@ class SoftPromptPlusModel(BaseTuner):
     def unload(self) -> nn.Module:
         """Return the base model exactly as it came: same objects, same weights, same `requires_grad` flags."""
         model = self._unload_and_optionally_merge(merge=False)
-        attention.uninstall(model, self._own_attention)
-        if hasattr(model, "loss_type"):
-            model.loss_type = self._base_loss_type
+        self._stop_prompting(model)
         for name, param in model.named_parameters():
             param.requires_grad_(self._base_requires_grad.get(name, param.requires_grad))
         return model
@@ -209,16 +228,29 @@ class SoftPromptPlusModel(BaseTuner):
         return self.active_adapters[0]
 
     def prompt(self, adapter_name: Optional[str] = None) -> nn.Parameter:
-        """The float32 `[N, D]` prompt of `adapter_name` (default: the active adapter): the leaf to optimize."""
-        name = adapter_name if adapter_name is not None else self.active_adapters[0]
-        if name not in self.prompt_bank.prompts:
-            raise ValueError(f"`adapter_name`={name!r} does not exist; adapters: {list(self.prompt_bank.prompts)}.")
+        """The float32 `[N, D]` prompt of `adapter_name` (default: the active adapter): the leaf to optimize (with
+        `reparameterization='residual'`, the raw prompt its encoder reads; the encoder trains too)."""
+        name = adapter_name if adapter_name is not None else next(iter(self.active_adapters), None)
+        if not isinstance(name, str) or name not in self.prompt_bank.prompts:
+            raise routing.unknown_adapter(name, list(self.prompt_bank.prompts), "prompt")
         return self.prompt_bank.prompts[name]
 
+    @property
+    def softprompt_plus(self) -> LegacyBankView:
+        """Deprecated since 0.2 and removed in 0.4.0: `softprompt_plus.prompt[name]` is `prompt(name)`."""
+        warnings.warn(
+            "`model.base_model.softprompt_plus.prompt[name]` is deprecated and will be removed in 0.4.0; use "
+            "`model.base_model.prompt(name)`, the same float32 Parameter.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return LegacyBankView(self.prompt_bank)
+
     def prompt_for_use(self, adapter_name: str) -> torch.Tensor:
-        """The float32 leaf cast to the embedding's dtype/device at the point of use: its gradient stays float32."""
+        """The prompt the model reads (the leaf, or its encoder's output), cast to the embedding's dtype/device at
+        the point of use: its gradient stays float32."""
         weight = self.model.get_input_embeddings().weight
-        return self.prompt_bank.prompts[adapter_name].to(device=weight.device, dtype=weight.dtype)  # [N, D]
+        return self.prompt_bank.values(adapter_name).to(device=weight.device, dtype=weight.dtype)  # [N, D]
 
     @contextlib.contextmanager
     def _enable_peft_forward_hooks(self, *args, **kwargs):
@@ -243,24 +275,18 @@ class SoftPromptPlusModel(BaseTuner):
         found = next((v for k, v in state_dict.items() if k.endswith(suffix)), None)
         if found is None:
             return {}
-        return {SAVED_KEY: saving.full_prompt(found, config.num_virtual_tokens, adapter_name)}
+        prompt = saving.full_prompt(found, config.num_virtual_tokens, adapter_name)
+        encoder = encoder_state(state_dict, adapter_name)
+        if encoder:  # the adapter is the folded table: loaders and serving engines see a plain prompt
+            prompt = reparam.fold(prompt, encoder, config.residual_layer_norm)
+        return {SAVED_KEY: prompt}
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
-        bank_name, bank = next((n, m) for n, m in model.named_modules() if isinstance(m, SoftPromptBank))
+        bank_name = next(n for n, m in model.named_modules() if isinstance(m, SoftPromptBank))
         tuner = next(m for m in model.modules() if isinstance(m, SoftPromptPlusModel))
-        saved = [k for k in state_dict if k.endswith(SAVED_KEY)]
-        expected = tuple(bank.prompts[adapter_name].shape)
-        problems = [loading.diagnose_prompt(state_dict[k], expected, "The saved adapter") for k in saved]
-        if not saved:
-            problems.append(
-                f"The adapter weights hold no soft prompt (no key ending in {SAVED_KEY!r}; found "
-                f"{sorted(state_dict)[:5]}): it is not a softprompt-plus adapter."
-            )
-        problem = next((p for p in problems if p), None)
-        if problem:
+        try:
+            return loading.remapped_for_load(tuner, bank_name, adapter_name, state_dict)
+        except loading.AdapterFileError:
             tuner._abandon_load(adapter_name)
-            raise loading.AdapterFileError(problem)
-        remapped = {k: v for k, v in state_dict.items() if k not in saved}
-        remapped.update({f"{bank_name}.softprompt_plus_prompt.{adapter_name}": state_dict[k] for k in saved})
-        return remapped
+            raise

@@ -1,0 +1,124 @@
+"""The documented paths warn about nothing the user did: each runs with every warning turned into an error and no
+WARNING log record allowed, so a warning that appears in a new release of anything fails here first.
+
+Paths: the README's "Use" snippet, docs/quickstart.md (train, save, `PeftModel.from_pretrained`,
+`AutoPeftModelForCausalLM`, left-padded generate), the demo and examples/train_with_trainer.py (in process, and as
+commands in fresh processes). Import-time warnings of third-party packages are out of scope (the imports ran before
+any test): bitsandbytes' import makes torch.jit raise DeprecationWarnings that Python's default filters hide.
+"""
+
+import importlib.util
+import io
+import logging
+import os
+import re
+import subprocess
+import sys
+import warnings
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+from conftest import random_ids
+from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from peft_softprompt_plus import SoftPromptPlusConfig, attention
+from peft_softprompt_plus.demo import run_demo
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_with_trainer.py")
+
+
+def _quietly(path, caplog):
+    """Run `path()` with warnings as errors; returns the WARNING (and worse) log records it left."""
+    hf_logging.warning_once.cache_clear()  # a once-only warning printed by an earlier test must show again here
+    attention.log_once.cache_clear()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path()
+    return [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def readme_use(model_dir: str, tmp) -> None:
+    gpt2 = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = random_ids(2, 6)
+    mask = torch.ones_like(ids)
+    model = get_peft_model(gpt2, SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=20))
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20)
+    model.save_pretrained(os.path.join(tmp, "adapter"))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), os.path.join(tmp, "adapter"))
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
+
+
+def quickstart(model_dir: str, tmp) -> None:
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    gpt2 = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = get_peft_model(gpt2, SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=20))
+    with redirect_stdout(io.StringIO()):
+        model.print_trainable_parameters()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    batch = tok(["the movie was great"], return_tensors="pt")
+    loss = model(**batch, labels=batch["input_ids"]).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    folder = os.path.join(tmp, "my-prompt")
+    model.save_pretrained(folder)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), folder)
+    model = AutoPeftModelForCausalLM.from_pretrained(folder)
+    tok.padding_side = "left"
+    batch = tok(["the movie was", "a"], return_tensors="pt", padding=True)
+    model.generate(**batch, max_new_tokens=5, pad_token_id=tok.pad_token_id)
+    model.base_model.prompt("default")
+
+
+def demo(model_dir: str, tmp) -> None:
+    run_demo(steps=3, pretrain_steps=3, out_dir=os.path.join(tmp, "demo"), progress=False)
+
+
+def trainer_example(model_dir: str, tmp) -> None:
+    spec = importlib.util.spec_from_file_location("train_with_trainer", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with redirect_stdout(io.StringIO()):
+        example.main(["--output-dir", str(tmp), "--max-steps", "2", "--num-virtual-tokens", "4"])
+
+
+PATHS = {"readme_use": readme_use, "quickstart": quickstart, "demo": demo, "trainer_example": trainer_example}
+
+
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_a_documented_path_raises_no_warning(name, tiny_model_dir, tmp_path, caplog):
+    assert _quietly(lambda: PATHS[name](tiny_model_dir, str(tmp_path)), caplog) == []
+
+
+def test_the_harness_catches_the_warnings_we_removed(tiny_model_dir, make_base, caplog):
+    # The reference: the same calls where nothing of ours removes them. PEFT's own FutureWarning for LoRA ...
+    lora = LoraConfig(target_modules=["c_attn"], fan_in_fan_out=True)
+    with pytest.raises(FutureWarning, match="is_gradient_checkpointing"):
+        _quietly(lambda: get_peft_model(make_base(), lora), caplog)
+    # ... and transformers' log line for a GPT-2 without a loss_type, trained as it comes.
+    ids = random_ids(1, 4)
+    logged = _quietly(lambda: make_base()(input_ids=ids, labels=ids), caplog)
+    assert any("`loss_type=None` was set in the config but it is unrecognized" in line for line in logged), logged
+
+
+COMMANDS = {  # fresh processes: the example imports PEFT before this package, as isort orders it
+    "softprompt-plus demo": ["-m", "peft_softprompt_plus", "demo", "--steps", "5", "--out", "{tmp}/a"],
+    "train_with_trainer.py": [EXAMPLE, "--max-steps", "2", "--output-dir", "{tmp}/b"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_a_documented_command_prints_only_its_progress_bars(name, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    argv = [a.format(tmp=tmp_path) for a in COMMANDS[name]]
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line.strip() for line in re.split(r"[\r\n]+", done.stderr) if line.strip()]
+    assert [line for line in lines if not re.search(r"\d+/\d+ \[", line)] == []  # tqdm's bars, nothing else
