@@ -3,7 +3,7 @@ soft tokens (N = 4, 8, 16, 32), scored on held-out user turns never trained on: 
 to no system prompt at all, greedy agreement, curves over steps; then `generate` speed and cache bytes, soft prompt
 against hard prompt, in one run. Method and targets: bench/README.md.
 
-    python bench/bench_distill.py                     # about 80 min of CPU time on one thread
+    python bench/bench_distill.py                     # about 85 min on one thread
     python bench/bench_distill.py --quick             # N=16 only, 20 steps, no curve (about 20 min)
     python bench/bench_distill.py --samples s.pkl     # keep the teacher's samples in s.pkl, reuse them next time
 """
@@ -137,6 +137,7 @@ def _plot(reports: dict, none_kl: float, out: Path) -> str:
     right.axhline(0.8, color="grey", linestyle="--", label="target (N=16)")
     right.set(xlabel="soft tokens N", ylabel="gap closed", xscale="log", xticks=list(reports))
     right.set_xticklabels([str(n) for n in reports])
+    right.minorticks_off()
     right.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -187,8 +188,8 @@ def print_curves(reports: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N=16 only, 20 steps, no curve, 1 generate round")
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--evaluate-at", default="0,25,50,100,150", help="steps with held-out figures (the curve)")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--evaluate-at", default="0,30,60,120", help="steps with held-out figures (the curve)")
     parser.add_argument("--lr", type=float, default=3e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
