@@ -17,7 +17,13 @@ from conftest import random_ids
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from peft_softprompt_plus import AdapterFileError, SoftPromptPlusConfig, check_gradient_flow, prompt_embeds
+from peft_softprompt_plus import (
+    AdapterFileError,
+    SoftPromptPlusConfig,
+    check_gradient_flow,
+    distill_prompt,
+    prompt_embeds,
+)
 from peft_softprompt_plus.cli import main as cli_main
 from peft_softprompt_plus.tiny import tiny_gpt2
 
@@ -145,6 +151,34 @@ def _prompt_values(value: float):
 
 def _remove(name: str):
     return lambda folder: os.remove(os.path.join(folder, name))
+
+
+def _distill(system_prompt="the quick brown fox jumps over the lazy dog", model=None, **kwargs):
+    def run(w: World):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(w.base_dir)
+        return distill_prompt(model(w) if model else w.base, tokenizer, system_prompt, **{"steps": 1, **kwargs})
+
+    return run
+
+
+def _distill_cli(*argv, files=()):
+    """`softprompt-plus distill` on the tiny base, with `files` (name, text) written into the temp folder first."""
+
+    def run(w: World):
+        for name, text in files:
+            with open(os.path.join(w.tmp, name), "w") as handle:
+                handle.write(text)
+        default = {"--model": w.base_dir, "--system-prompt-file": "{tmp}/system.txt", "--out": "{tmp}/out"}
+        default.update(zip(argv[::2], argv[1::2], strict=True))
+        args = [a.format(tmp=w.tmp) for pair in default.items() for a in pair]
+        raise SystemExit(cli_main(["distill", *args]))
+
+    return run
+
+
+SYSTEM_FILE = [("system.txt", "the quick brown fox jumps over the lazy dog\n")]
 
 
 def _deleted():
@@ -581,6 +615,32 @@ CASES = [
         ValueError,
         ["`batch`", "float32"],
     ),
+    # distill_prompt: checked before the model changes
+    ("distill empty system prompt", _distill(""), ValueError, ["`system_prompt`", "non-empty", "''"]),
+    ("distill blank system prompt", _distill(" \n "), ValueError, ["`system_prompt`", "' \\n '"]),
+    (
+        "distill without a chat template",
+        _distill(num_virtual_tokens=2),
+        ValueError,
+        ["`tokenizer`", "no chat template", "chat=False", "--plain"],
+    ),
+    (
+        "distill prompt shorter than N",
+        _distill("red blue", chat=False, num_virtual_tokens=16),
+        ValueError,
+        ["`system_prompt` is 3 tokens", "`num_virtual_tokens`=16", "<= 3"],
+    ),
+    ("distill a PeftModel", _distill(model=lambda w: w.model, chat=False), ValueError, ["`model`", "PeftModel"]),
+    ("distill steps 0", _distill(chat=False, steps=0), ValueError, ["`steps`", "0"]),
+    ("distill N 0", _distill(chat=False, num_virtual_tokens=0), ValueError, ["`num_virtual_tokens`", "0"]),
+    ("distill lr", _distill(chat=False, lr=-1.0), ValueError, ["`lr`", "-1.0"]),
+    ("distill user_turns str", _distill(chat=False, user_turns="hello"), ValueError, ["`user_turns`", "str"]),
+    (
+        "distill evaluate_at past steps",
+        _distill(chat=False, evaluate_at=(5,)),
+        ValueError,
+        ["`evaluate_at`", "[5]", "`steps`=1"],
+    ),
     # prompt_embeds (serving.py)
     ("serve not a model", lambda w: prompt_embeds(torch.nn.Linear(2, 2), IDS), TypeError, ["`model`", "Linear"]),
     (
@@ -674,6 +734,25 @@ CASES = [
     ("cli demo --model missing", _cli("demo", "--model", "./no/such/model"), SystemExit, ["2"]),
     ("cli demo --steps 0", _cli("demo", "--steps", "0"), SystemExit, ["2"]),
     ("cli run without command", _cli("run"), SystemExit, ["2"]),
+    ("cli distill --model missing", _distill_cli("--model", "./no/such/model", files=SYSTEM_FILE), SystemExit, ["2"]),
+    ("cli distill no system prompt file", _distill_cli("--system-prompt-file", "{tmp}/none.txt"), SystemExit, ["2"]),
+    ("cli distill empty system prompt", _distill_cli(files=[("system.txt", "\n  \n")]), SystemExit, ["2"]),
+    ("cli distill --steps 0", _distill_cli("--steps", "0", files=SYSTEM_FILE), SystemExit, ["2"]),
+    ("cli distill -N 0", _distill_cli("--num-virtual-tokens", "0", files=SYSTEM_FILE), SystemExit, ["2"]),
+    (
+        "cli distill --user-file missing",
+        _distill_cli("--user-file", "{tmp}/u.txt", files=SYSTEM_FILE),
+        SystemExit,
+        ["2"],
+    ),
+    (
+        "cli distill empty --user-file",
+        _distill_cli("--user-file", "{tmp}/u.txt", files=SYSTEM_FILE + [("u.txt", "\n")]),
+        SystemExit,
+        ["2"],
+    ),
+    ("cli distill --out a file", _distill_cli("--out", "{tmp}/system.txt", files=SYSTEM_FILE), SystemExit, ["2"]),
+    ("cli distill no chat template", _distill_cli("--num-virtual-tokens", "2", files=SYSTEM_FILE), SystemExit, ["2"]),
     ("cli run unknown command", _cli("run", "--", "no-such-program-xyz"), SystemExit, ["2"]),
 ]
 # Cases that change the saved folder on purpose (they damage it to test the CLI).

@@ -184,3 +184,20 @@ def test_inference_forwards_reuse_the_stored_prompt_pass(model, monkeypatch):
     torch.testing.assert_close(first, second.logits)
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, second.loss)  # with grad: a fresh pass
     assert len(calls) == 2
+
+
+def test_logits_to_keep_without_labels_reads_the_stored_prompt_pass(model, monkeypatch):
+    # Distillation scores the last K positions only; trimming the logits must not send the prompt into the text pass.
+    from peft_softprompt_plus import forward_paths
+
+    calls = []
+    original = forward_paths.prompt_pass
+    monkeypatch.setattr(forward_paths, "prompt_pass", lambda *a, **k: calls.append(1) or original(*a, **k))
+    ids = random_ids(2, 6, seed=26)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits  # [B, L, V]
+        kept = model(input_ids=ids, logits_to_keep=3).logits  # [B, 3, V]
+    assert len(calls) == 1  # the second forward read the stored pass
+    torch.testing.assert_close(kept, full[:, -3:])
+    with_grad = model(input_ids=ids, logits_to_keep=3).logits
+    torch.testing.assert_close(with_grad, kept)

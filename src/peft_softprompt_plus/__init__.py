@@ -23,6 +23,10 @@ _PUBLIC = {  # name -> the module that defines it
     "check_gradient_flow": "gradient_flow",
     "FetchError": "fetch",
     "fetch_checkpoint": "fetch",
+    "DistillReport": "distill_score",
+    "distill_prompt": "distill",
+    "student_inputs": "distill_data",
+    "student_text": "distill_data",
     "prompt_embeds": "serving",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]

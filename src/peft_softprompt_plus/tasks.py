@@ -62,12 +62,14 @@ def _strip(output, in_text: int, length: int):
 _PLAIN_KWARGS = frozenset(
     {"num_items_in_batch", "return_dict", "output_attentions", "output_hidden_states", "use_cache", "token_type_ids"}
 )
+# Without labels, `logits_to_keep` only trims the logits the model returns (the last K text positions).
+_UNLABELLED_KWARGS = _PLAIN_KWARGS | {"logits_to_keep"}
 _SUM_OVER_ITEMS_LOSSES = (ForCausalLMLoss, _prompted_causal_lm_loss)
 
 
 def _causal_lm_prompt_in_text(model: nn.Module, labels: Optional[torch.Tensor], kwargs: dict) -> int:
     """0 when the shared pass can also predict text token 0 (its logits are the same for every row), else 1."""
-    if not kwargs.keys() <= _PLAIN_KWARGS:
+    if not kwargs.keys() <= (_PLAIN_KWARGS if labels is not None else _UNLABELLED_KWARGS):
         return 1
     # The first-token term is added as `sum / num_items_in_batch`, which is ForCausalLMLoss's contract.
     return 0 if labels is None or model.loss_function in _SUM_OVER_ITEMS_LOSSES else 1

@@ -1,0 +1,208 @@
+"""Prompt distillation's text: the hard system prompt cut from the text the student reads (through the model's chat
+template, or as a plain text prefix), checked so that the teacher's tokens are exactly the prefix's followed by the
+student's; and `student_text` / `student_inputs`, which format a student's inputs the same way at inference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union
+
+import torch
+
+# The system turn's content when formatting for the student: the text after the system turn must not depend on it
+# (checked for every distilled turn), so the student's inputs are rendered without knowing the real system prompt.
+PLACEHOLDER = "x"
+_MARK = "\u2063turn\u2063"  # an invisible separator, to find where a user turn's content sits in the rendering
+PLAIN_SEPARATOR = "\n"  # plain mode: the teacher reads system_prompt + "\n" + text
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as err:  # jinja2's TemplateError and the templates' own `raise_exception(...)`
+        roles = [m.get("role") for m in messages]
+        raise ValueError(
+            f"`tokenizer`'s chat template can't render a conversation with roles {roles}: {err}. A template without "
+            "a system role can't take a distilled system prompt; use chat=False (CLI: --plain) for a plain prefix."
+        ) from err
+
+
+def _system(content: str) -> list[dict]:
+    return [{"role": "system", "content": content}]
+
+
+def _chat_prefix(tokenizer, system_prompt: str) -> str:
+    return _render(tokenizer, _system(system_prompt), generation_prompt=False)
+
+
+def _chat_suffix(tokenizer, system_prompt: str, conversation) -> str:
+    """What the template renders after the system turn: the student's text, so that a template which inserts a
+    default system prompt when none is given never sees a conversation without one."""
+    messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else list(conversation)
+    if any(m.get("role") == "system" for m in messages):
+        raise ValueError(
+            "`conversation` holds a system message; the distilled soft prompt takes the system turn's place. Pass the "
+            "user and assistant turns only."
+        )
+    prefix = _chat_prefix(tokenizer, system_prompt)
+    whole = _render(tokenizer, _system(system_prompt) + messages, generation_prompt=messages[-1]["role"] == "user")
+    if not whole.startswith(prefix):
+        raise ValueError(
+            "`tokenizer`'s chat template renders the system turn differently once other turns follow it (the "
+            f"conversation starts {whole[:80]!r}, the system turn alone is {prefix[:80]!r}), so there is no prefix "
+            "for the teacher to read. Use chat=False (CLI: --plain) to distill a plain text prefix."
+        )
+    return whole[len(prefix) :]
+
+
+def _plain_prefix(tokenizer, system_prompt: str) -> str:
+    return system_prompt + PLAIN_SEPARATOR
+
+
+def _plain_suffix(tokenizer, system_prompt: str, conversation) -> str:
+    if not isinstance(conversation, str):
+        raise ValueError(
+            f"`conversation` must be a str in plain mode (chat=False), got {type(conversation).__name__}. Pass the "
+            "text that follows the system prompt."
+        )
+    return conversation
+
+
+def _chat_turn_opener(tokenizer, system_prompt: str) -> tuple[str, str]:
+    """The text that opens a user turn after the system turn, and the text that closes it."""
+    suffix = _chat_suffix(tokenizer, system_prompt, [{"role": "user", "content": _MARK}])
+    opener, _, closer = suffix.partition(_MARK)
+    return opener, closer
+
+
+@dataclass(frozen=True)
+class Format:
+    """One way of cutting the teacher's text: `prefix` (the hard prompt), `suffix` (the student's text) and `opener`
+    (what precedes and follows a user turn, for turns the teacher samples itself)."""
+
+    prefix: Callable[[object, str], str]
+    suffix: Callable[[object, str, object], str]
+    opener: Callable[[object, str], tuple[str, str]]
+
+
+FORMATS: dict[str, Format] = {
+    "chat": Format(_chat_prefix, _chat_suffix, _chat_turn_opener),
+    "plain": Format(_plain_prefix, _plain_suffix, lambda tokenizer, system_prompt: ("", "\n")),
+}
+
+
+def mode_of(chat: bool) -> str:
+    return "chat" if chat else "plain"
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    # The rendered text carries the template's own special tokens; the tokenizer must add none of its own.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The teacher's hard prefix for one system prompt, and how each user turn is cut."""
+
+    mode: str
+    system_prompt: str
+    prefix_ids: list[int]  # [S] the system turn as the teacher reads it
+    stop_ids: list[int]  # tokens that end a turn: EOS and the first token of the template's turn closer
+
+    def suffix_ids(self, tokenizer, turn: str) -> list[int]:
+        """The student's tokens for `turn`, checked: the teacher's whole text tokenizes to prefix + these."""
+        fmt = FORMATS[self.mode]
+        suffix = fmt.suffix(tokenizer, self.system_prompt, turn)
+        ids = _ids(tokenizer, suffix)
+        if _ids(tokenizer, fmt.prefix(tokenizer, self.system_prompt) + suffix) != self.prefix_ids + ids:
+            raise ValueError(
+                f"The user turn {turn!r} tokenizes differently after the system prompt than on its own (a token "
+                "merges across the boundary), so the student would not read the teacher's tokens. End the system "
+                "prompt with a newline or reword the turn's start."
+            )
+        if self.mode == "chat" and suffix != fmt.suffix(tokenizer, PLACEHOLDER, turn):
+            raise ValueError(
+                f"The chat template renders the turn {turn!r} differently depending on the system prompt's text, so "
+                "`student_inputs` (which renders without it) could not reproduce what the student was trained on."
+            )
+        return ids
+
+
+def prepare(tokenizer, system_prompt, chat: bool, num_virtual_tokens: int) -> Prepared:
+    """Check the system prompt and the template, and tokenize the hard prefix."""
+    if not isinstance(system_prompt, str) or not system_prompt.strip():
+        raise ValueError(
+            f"`system_prompt` must be the non-empty text of the system prompt to distill, got {system_prompt!r}."
+        )
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"`tokenizer` ({type(tokenizer).__name__}, {getattr(tokenizer, 'name_or_path', '')!r}) has no chat "
+            "template, which chat=True needs to place the system prompt. Pass chat=False (CLI: --plain) to distill "
+            "a plain text prefix, or set `tokenizer.chat_template`."
+        )
+    mode = mode_of(chat)
+    prefix_ids = _ids(tokenizer, FORMATS[mode].prefix(tokenizer, system_prompt))
+    if len(prefix_ids) < num_virtual_tokens:
+        raise ValueError(
+            f"`system_prompt` is {len(prefix_ids)} tokens as the teacher reads it ({mode} mode), shorter than "
+            f"`num_virtual_tokens`={num_virtual_tokens}: the soft prompt would cost more than the text it replaces. "
+            f"Pass num_virtual_tokens <= {len(prefix_ids)}, or keep the hard prompt."
+        )
+    closer = FORMATS[mode].opener(tokenizer, system_prompt)[1]
+    stops = [tokenizer.eos_token_id] + (_ids(tokenizer, closer)[:1] if closer.strip() else [])
+    stop_ids = list(dict.fromkeys(i for i in stops if i is not None))
+    return Prepared(mode, system_prompt, prefix_ids, stop_ids)
+
+
+def cut_turn(tokenizer, prepared: Prepared, new_ids: list[int]) -> str:
+    """A turn the teacher sampled, as text: cut where the template's turn closer (or EOS) begins."""
+    closer = FORMATS[prepared.mode].opener(tokenizer, prepared.system_prompt)[1]
+    text = tokenizer.decode(new_ids, skip_special_tokens=False)
+    for end in (closer.strip() or closer, tokenizer.eos_token or ""):
+        if end and end in text:
+            text = text[: text.index(end)]
+    return text.strip()
+
+
+def opener_ids(tokenizer, prepared: Prepared) -> list[int]:
+    """The teacher's text for sampling a user turn: what opens a user turn after the system prompt."""
+    opener = FORMATS[prepared.mode].opener(tokenizer, prepared.system_prompt)[0]
+    return _ids(tokenizer, opener)
+
+
+# ---------------------------------------------------------------------------------------------- at inference
+
+Conversation = Union[str, Sequence[dict]]
+
+
+def student_text(tokenizer, conversation: Conversation, chat: bool = True) -> str:
+    """The text a distilled soft prompt reads for `conversation`: in chat mode, the chat template's rendering after
+    the system turn (with the generation prompt when the last turn is the user's); in plain mode the text itself."""
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"`tokenizer` ({getattr(tokenizer, 'name_or_path', '')!r}) has no chat template; pass chat=False for a "
+            "prompt distilled in plain mode."
+        )
+    return FORMATS[mode_of(chat)].suffix(tokenizer, PLACEHOLDER, conversation)
+
+
+def student_inputs(tokenizer, conversations, chat: bool = True) -> dict:
+    """`input_ids` and `attention_mask` `[B, L]`, left-padded for `generate`, of the student's text for each
+    conversation (a list of them, or one: a list of messages in chat mode, a str in plain mode)."""
+    single = isinstance(conversations, str) or (
+        isinstance(conversations, (list, tuple)) and bool(conversations) and isinstance(conversations[0], dict)
+    )
+    batch = [conversations] if single else list(conversations)
+    rows = [_ids(tokenizer, student_text(tokenizer, c, chat)) for c in batch]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return left_padded(rows, pad)
+
+
+def left_padded(rows: list[list[int]], pad_id: int) -> dict:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, L]
+    mask = torch.zeros(len(rows), width, dtype=torch.long)  # [B, L]
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return {"input_ids": ids, "attention_mask": mask}
