@@ -2,7 +2,8 @@
 WARNING log record allowed, so a warning that appears in a new release of anything fails here first.
 
 Paths: the README's "Use" snippet, docs/quickstart.md (train, save, `PeftModel.from_pretrained`,
-`AutoPeftModelForCausalLM`, left-padded generate), the demo and examples/train_with_trainer.py (in process, and as
+`AutoPeftModelForCausalLM`, left-padded generate), docs/distillation.md (plain mode), the demo and
+examples/train_with_trainer.py (in process, and as
 commands in fresh processes). Import-time warnings of third-party packages are out of scope (the imports ran before
 any test): bitsandbytes' import makes torch.jit raise DeprecationWarnings that Python's default filters hide.
 """
@@ -24,7 +25,7 @@ from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from peft_softprompt_plus import SoftPromptPlusConfig, attention
+from peft_softprompt_plus import SoftPromptPlusConfig, attention, distill_prompt, student_inputs
 from peft_softprompt_plus.demo import run_demo
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_with_trainer.py")
@@ -88,7 +89,28 @@ def trainer_example(model_dir: str, tmp) -> None:
         example.main(["--output-dir", str(tmp), "--max-steps", "2", "--num-virtual-tokens", "4"])
 
 
-PATHS = {"readme_use": readme_use, "quickstart": quickstart, "demo": demo, "trainer_example": trainer_example}
+def distillation(model_dir: str, tmp) -> None:
+    # docs/distillation.md in plain mode (the tiny GPT-2 has no chat template): distill, save, reload, generate.
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    turns = ["how do I reset it", "what does it cost", "is it safe", "where is my order", "can I return it"]
+    model = distill_prompt(
+        AutoModelForCausalLM.from_pretrained(model_dir), tok, "you are a kind and brief support assistant",
+        num_virtual_tokens=2, steps=2, user_turns=turns, chat=False, samples_per_turn=1, max_new_tokens=4,
+    )  # fmt: skip
+    folder = os.path.join(tmp, "distilled")
+    model.save_pretrained(folder)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), folder)
+    batch = student_inputs(tok, ["how do I reset it", "hi"], chat=False)
+    model.generate(**batch, max_new_tokens=3, pad_token_id=tok.pad_token_id)
+
+
+PATHS = {
+    "readme_use": readme_use,
+    "quickstart": quickstart,
+    "demo": demo,
+    "trainer_example": trainer_example,
+    "distillation": distillation,
+}
 
 
 @pytest.mark.parametrize("name", sorted(PATHS))
