@@ -63,13 +63,13 @@ class SoftPromptPlusConfig(PeftConfig):
         default=20, metadata={"help": "N, the number of virtual (soft prompt) tokens placed before the text."}
     )
     prompt_init: PromptInit = field(
-        default=PromptInit.RANDOM,
+        default=PromptInit.VOCAB,
         metadata={
             "help": "`random`: normal noise scaled to the statistics of the model's word embeddings; `vocab`: rows "
             "of the embedding matrix of randomly drawn non-special tokens; `text`: rows of the tokenized "
             "`prompt_init_text`, tiled or truncated to N; `labels`: one row per word of `prompt_init_labels` (the "
             "mean of its sub-tokens' embeddings), the remaining rows drawn from the vocabulary's first "
-            "(most frequent) tokens (Lester et al., 2021)."
+            "(most frequent) tokens (Lester et al., 2021). Default `vocab`: docs/training-recipe.md."
         },
     )
     prompt_init_text: Optional[str] = field(
