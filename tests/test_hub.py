@@ -124,7 +124,7 @@ def test_model_card_says_what_and_how(hub_run):
     assert {"peft", "softprompt-plus", "prompt-tuning", "soft-prompt"} <= set(meta.tags)
     assert "num_virtual_tokens (N): 4" in card
     assert "prompt shape: [4, 64] float32" in card
-    assert "init: `random`" in card
+    assert "init: `vocab`" in card  # the default
     assert "eval_loss: 1.25" in card  # the training metrics the model carried
     snippet = card[card.index("```python") :].splitlines()
     assert snippet[1].startswith("import peft_softprompt_plus")
