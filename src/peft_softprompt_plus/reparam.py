@@ -47,11 +47,9 @@ def encoder_for(config, embedding: nn.Embedding) -> Optional[ResidualEncoder]:
 @torch.no_grad()
 def fold(raw: torch.Tensor, encoder_state: dict, layer_norm: bool) -> torch.Tensor:
     """The folded `[N, D]` table from tensors alone (a state dict, e.g. while saving): `encoder(raw)`."""
-    # The same functional calls as the module's own forward, so the folded table equals what training read.
-    linear = nn.functional.linear
-    hidden = torch.relu(linear(raw, encoder_state["down.weight"], encoder_state["down.bias"]))
-    branch = linear(hidden, encoder_state["up.weight"], encoder_state["up.bias"])
-    if layer_norm:
-        weight, bias = encoder_state["norm.weight"], encoder_state["norm.bias"]
-        branch = nn.functional.layer_norm(branch, branch.shape[-1:], weight, bias)
-    return raw + branch  # [N, D]
+    hidden, dim = encoder_state["down.weight"].shape
+    # The module's own forward on the saved tensors, so the folded table equals what training read; built on the meta
+    # device, it allocates nothing and draws nothing from the caller's generator.
+    with torch.device("meta"):
+        encoder = ResidualEncoder(dim, hidden, layer_norm, scale=1.0)
+    return torch.func.functional_call(encoder, encoder_state, (raw,))  # [N, D]
