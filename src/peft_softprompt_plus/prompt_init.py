@@ -61,8 +61,10 @@ def _special_token_ids(model_config) -> set[int]:
 
 
 def _vocab(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
-    special = _special_token_ids(model_config)
-    allowed = torch.tensor([i for i in range(embedding.num_embeddings) if i not in special], dtype=torch.long)
+    # The default init: one boolean mask, not a Python pass over a vocabulary that may hold 256k ids.
+    keep = torch.ones(embedding.num_embeddings, dtype=torch.bool)
+    keep[[i for i in _special_token_ids(model_config) if 0 <= i < embedding.num_embeddings]] = False
+    allowed = keep.nonzero().squeeze(1)  # [V'] ascending, as before
     if allowed.numel() == 0:
         raise ValueError(
             f"`prompt_init='vocab'` found no non-special token in a vocabulary of {embedding.num_embeddings}. "
