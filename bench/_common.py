@@ -47,6 +47,14 @@ def quiet(all_warnings: bool = True) -> None:
 # ---------------------------------------------------------------------------------------------- models
 
 
+def checkpointing_on(model) -> None:
+    """Non-reentrant checkpointing by the name the installed transformers uses (`activation_*` from 5.24 on)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 @dataclass(frozen=True)
 class Shape:
     """A random GPT-2 (dropout off, `n_positions` 1024, ids 0/1 end-of-text and pad) and the batch it runs on."""
@@ -68,7 +76,7 @@ class Shape:
         torch.manual_seed(0)
         model = GPT2LMHeadModel(self.config())
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpointing_on(model)
         return model
 
     def ids(self, seed: int = 1) -> torch.Tensor:

@@ -42,7 +42,7 @@ class RealShape(c.Shape):
     def base(self, checkpointing: bool = False):
         model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[self.dtype])
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            c.checkpointing_on(model)
         return model
 
     def describe(self) -> str:

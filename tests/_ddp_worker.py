@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from _checkpointing import checkpointing_arg, is_checkpointing  # noqa: E402
 from peft import get_peft_model  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
@@ -64,7 +65,7 @@ def main() -> None:
         save_strategy="no",
         seed=0,
         ddp_find_unused_parameters=False if args.no_find_unused else None,
-        activation_checkpointing=args.checkpointing,
+        **checkpointing_arg(args.checkpointing),
     )
     trainer = RecordingTrainer(model=model, args=training_args, train_dataset=dataset())
     trainer.seen = []
@@ -75,7 +76,7 @@ def main() -> None:
         {
             "world_size": training_args.world_size,
             "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
-            "checkpointing": model.get_base_model().is_activation_checkpointing,
+            "checkpointing": is_checkpointing(model.get_base_model()),
             "initial": initial,
             "final": model.base_model.prompt("default").detach().clone(),
             "seen": trainer.seen,

@@ -126,6 +126,15 @@ class FakeHub:
         headers = {"X-Repo-Commit": oid, "ETag": f'"{hashlib.sha1(data).hexdigest()}"', "Content-Length": len(data)}
         return 200, headers, b"" if head else data
 
+    def organization(self, match) -> tuple:
+        # Like the real Hub: an overview for an organisation that owns repos, 404 for any other (bitsandbytes, through
+        # `kernels`, asks for one at import when transformers >= 5.25 brings `kernels` in).
+        org = match["org"]
+        models = [repo_id for repo_id in self.repos if repo_id.split("/")[0] == org]
+        if not models:
+            return 404, {}, {"error": "Not Found"}
+        return 200, {}, {"name": org, "fullname": org, "numModels": len(models), "trustedKernelPublisher": False}
+
 
 def _repo_not_found() -> tuple:
     return 404, {"X-Error-Code": "RepoNotFound"}, {"error": "Repository not found"}
@@ -139,6 +148,7 @@ _POST_ROUTES = [
 ]
 _RESOLVE = re.compile(rf"^/{_REPO}/resolve/{_REV}/(?P<path>.+)$")
 _MODEL_INFO = re.compile(rf"^/api/models/{_REPO}(?:/revision/{_REV})?$")
+_ORGANIZATION = re.compile(r"^/api/organizations/(?P<org>[\w.-]+)/overview$")
 # Optional lookups the client makes on its own and treats any error as "none" (agent detection registry).
 _OPTIONAL = {"/api/agent-harnesses"}
 
@@ -171,6 +181,9 @@ def _handler_for(hub: FakeHub):
             match = _MODEL_INFO.match(path)
             if match is not None:
                 return self._send(*hub.model_info(match))
+            match = _ORGANIZATION.match(path)
+            if match is not None:
+                return self._send(*hub.organization(match))
             if path not in _OPTIONAL:
                 hub.unhandled.append((self.command, path))
             self._send(404, {}, {"error": f"fake Hub: no route for {self.command} {path}"})

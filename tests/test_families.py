@@ -5,6 +5,7 @@ import inspect
 
 import pytest
 import torch
+from _checkpointing import checkpointing_on
 from peft import get_peft_model
 
 from peft_softprompt_plus import SoftPromptPlusConfig
@@ -83,9 +84,7 @@ def test_left_padded_logits_and_gradient_equal_concatenation(family, checkpointi
     ids, mask = batch()
     real = mask.bool()
     if checkpointing:
-        model.get_base_model().gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
-        )
+        checkpointing_on(model.get_base_model(), reentrant=checkpointing == "reentrant")
     model.train()
     logits = model(input_ids=ids, attention_mask=mask).logits
     assert logits.shape == (3, 12, VOCAB)

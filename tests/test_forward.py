@@ -1,9 +1,11 @@
 """Forward semantics (semantics.py, forward_paths.py, tasks.py) against PEFT PROMPT_TUNING and invariants."""
 
 import importlib
+import warnings
 
 import pytest
 import torch
+from _checkpointing import HAS_NEW_NAMES
 from conftest import prompt_tuning_reference, random_ids
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -162,12 +164,19 @@ def test_the_prompt_mask_is_built_once_per_forward(make_base, make_peft, attn, m
         assert text_layers[0].dtype == (torch.bool if attn == "sdpa" else torch.float32)
 
 
+@pytest.mark.parametrize("name", ["activation", "gradient"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_shared_kv_under_gradient_checkpointing_equals_concat(make_base, make_peft, reentrant):
+def test_shared_kv_under_gradient_checkpointing_equals_concat(make_base, make_peft, reentrant, name):
     # Checkpointing no longer turns the fast path off: the prompt reaches each layer as a forward keyword, which the
     # recomputation sees too; reentrant checkpointing hands its gradients back through a node at the text's input.
+    # Both of transformers' names turn it on (`activation_*` from 5.24; `gradient_*` before, deprecated since).
+    if name == "activation" and not HAS_NEW_NAMES:
+        pytest.skip("transformers < 5.24 has no activation_checkpointing_enable")
     base = make_base()
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old name's deprecation on 5.24+, not ours
+        getattr(base, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": reentrant}})
+    assert all(layer.gradient_checkpointing for layer in base.transformer.h)
     shared = make_peft(base=base, forward_path="shared_kv").train()
     concat = make_peft(forward_path="concat").train()
     ids = random_ids(3, 7, seed=2)

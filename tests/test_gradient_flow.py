@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _checkpointing import checkpointing_on
 from conftest import random_ids
 from peft import PeftModel
 from torch import nn
@@ -127,7 +128,7 @@ def test_probe_checks_every_prompt_row(make_base, make_peft):
 def test_probe_under_gradient_checkpointing_leaves_no_grad(make_base, make_peft, reentrant):
     # Reentrant checkpointing refuses `torch.autograd.grad`; the probe falls back to backward() and restores `.grad`.
     base = make_base()
-    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    checkpointing_on(base, reentrant)
     model = make_peft(base=base, validate_gradients="raise")
     assert all(p.grad is None for p in model.parameters())
     prompt = _prompt(model)

@@ -90,7 +90,7 @@ def _card(hub, repo: str) -> str:
 def test_push_uploads_exactly_the_adapter_files(hub_run):
     record, hub, _ = hub_run
     assert record["push"]["error"] is None
-    files = hub.files(ADAPTER_REPO)
+    files = hub.files(ADAPTER_REPO, revision=record["push"]["oid"])  # the commit this push made, not a later one
     assert sorted(files) == ADAPTER_FILES
     from safetensors.torch import load
 

@@ -4,6 +4,7 @@ checkpointing and a bf16 base. The first run fetches and converts it (~1 min); l
 
 import pytest
 import torch
+from _checkpointing import checkpointing_on
 from conftest import prompt_tuning_reference
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
@@ -169,7 +170,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradient(load, real_toke
     for checkpointing in (False, True):
         base = load()
         if checkpointing:
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            checkpointing_on(base, reentrant)
         model = attach(base)
         model.train()
         loss = model(**batch, labels=labels).loss

@@ -8,6 +8,7 @@ from typing import Optional
 
 import pytest
 import torch
+from _checkpointing import checkpointing_arg
 from conftest import prompt_tuning_reference
 from datasets import Dataset
 from peft import PeftModel, get_peft_model
@@ -264,7 +265,7 @@ def test_gradient_checkpointing_keeps_the_attention_path(tmp_path, tokenizer, mo
     checkpointed = prompted()
     paths.clear()
     Trainer(
-        model=checkpointed, args=args(tmp_path / "ckpt", activation_checkpointing=True, **common), train_dataset=data
+        model=checkpointed, args=args(tmp_path / "ckpt", **checkpointing_arg(True), **common), train_dataset=data
     ).train()
     assert paths and set(paths) == {"attention_inputs"}  # the prompt still enters at the attention
     # Same data, same semantics: the two runs train the same prompt up to float rounding.

@@ -7,6 +7,7 @@ must equal the ones PEFT PROMPT_TUNING gives for the same prompt values (which i
 
 import pytest
 import torch
+from _checkpointing import checkpointing_arg, is_checkpointing
 from conftest import prompt_tuning_reference
 from datasets import Dataset
 from peft import PeftModel, get_peft_model
@@ -89,9 +90,7 @@ def test_sft_trainer_trains_a_soft_prompt_from_peft_config(tmp_path, tokenizer):
 
     def spy(*args, **kwargs):
         text = kwargs.get("inputs_embeds", kwargs.get("input_ids"))
-        calls.append(
-            (kwargs.get("fused_lm_head"), kwargs.get("labels"), text.shape[1], inner.is_activation_checkpointing)
-        )
+        calls.append((kwargs.get("fused_lm_head"), kwargs.get("labels"), text.shape[1], is_checkpointing(inner)))
         return fused_forward(*args, **kwargs)
 
     inner.forward = spy
@@ -180,7 +179,7 @@ def test_sft_loss_and_metrics_equal_prompt_tuning(tmp_path, tokenizer, base_name
             learning_rate=0.0,
             bf16=False,
             per_device_train_batch_size=len(data),
-            gradient_checkpointing=checkpointing,
+            **checkpointing_arg(checkpointing),
         ),
         peft_config=soft_prompt_config(),
         train_dataset=data,
