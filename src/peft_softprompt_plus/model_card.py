@@ -77,8 +77,11 @@ def _section(peft_model, base_model: str, adapter_ref: str, for_hub: bool) -> li
     return [
         HEADING,
         "",
-        f"A soft prompt of {config.num_virtual_tokens} virtual tokens for a frozen `{base_model}`: the only trained "
-        "weights, entering the model through `inputs_embeds` at positions 0..N-1.",
+        f"A soft prompt of {config.num_virtual_tokens} virtual tokens for a frozen `{base_model}`, at positions "
+        "0..N-1 before the text. Where the model's attention runs through transformers' attention registry, the "
+        "prompt enters at the attention: its keys and values are computed in a pass of their own and handed to "
+        "every attention layer. Otherwise (`forward_path='concat'`, or families such as Bloom and Falcon) it is "
+        "concatenated in front of the text's embeddings.",
         "",
         "- method: SOFTPROMPT_PLUS ([peft-softprompt-plus](https://pypi.org/project/peft-softprompt-plus/), a PEFT "
         "method registered from outside PEFT)",
