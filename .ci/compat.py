@@ -91,12 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     print("versions:", ", ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
 
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    done = subprocess.run([python, "-m", "pytest", *pytest_args], cwd=tree, env=env, capture_output=True, text=True)
-    sys.stdout.write(done.stdout[-6000:])
-    sys.stderr.write(done.stderr[-3000:])
-    summary = next(
-        (line for line in reversed(done.stdout.splitlines()) if re.search(r"\d+ (passed|failed)", line)), ""
-    )
+    log = venv / "pytest.log"  # `tail -f` it to follow the run
+    print(f"+ pytest {' '.join(pytest_args)} > {log}", flush=True)
+    with open(log, "w") as out:
+        done = subprocess.run([python, "-m", "pytest", *pytest_args], cwd=tree, env=env, stdout=out, stderr=out)
+    output = log.read_text()
+    sys.stdout.write(output[-6000:])
+    summary = next((line for line in reversed(output.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")
     summary = summary.strip("= ").strip()
     label = args.mode + "".join(f" {p}" for p in args.pin)
     row = [
