@@ -721,39 +721,104 @@ CASES = [
         ValueError,
         ["`engine_scales_embeddings`", "int 1"],
     ),
-    # command line: one `error:` line, exit status 2
-    ("cli inspect missing", _cli("inspect", "{tmp}/nope"), SystemExit, ["2"]),
-    ("cli inspect damaged", lambda w: (_truncate(w.saved), _cli("inspect", "{saved}")(w)), SystemExit, ["2"]),
+    # command line: one `error:` line naming the bad argument, exit status 2; `{tmp}` and `{saved}` are the world's
+    (
+        "cli inspect missing",
+        _cli("inspect", "{tmp}/nope"),
+        SystemExit,
+        ["inspect: error:", "`adapter`='{tmp}/nope'", "neither an existing folder nor a Hub repo id"],
+    ),
+    (
+        "cli inspect damaged",
+        lambda w: (_truncate(w.saved), _cli("inspect", "{saved}")(w)),
+        SystemExit,
+        ["'{saved}/adapter_model.safetensors' is damaged", "Save the adapter again"],
+    ),
     (
         "cli inspect invalid JSON",
         lambda w: (_write("adapter_config.json", b"{")(w.saved), _cli("inspect", "{saved}")(w)),
         SystemExit,
-        ["2"],
+        ["'{saved}/adapter_config.json' is not valid JSON"],
     ),
-    ("cli inspect --base missing", _cli("inspect", "{saved}", "--base", "{tmp}/nobase"), SystemExit, ["2"]),
-    ("cli demo --model missing", _cli("demo", "--model", "./no/such/model"), SystemExit, ["2"]),
-    ("cli demo --steps 0", _cli("demo", "--steps", "0"), SystemExit, ["2"]),
-    ("cli run without command", _cli("run"), SystemExit, ["2"]),
-    ("cli distill --model missing", _distill_cli("--model", "./no/such/model", files=SYSTEM_FILE), SystemExit, ["2"]),
-    ("cli distill no system prompt file", _distill_cli("--system-prompt-file", "{tmp}/none.txt"), SystemExit, ["2"]),
-    ("cli distill empty system prompt", _distill_cli(files=[("system.txt", "\n  \n")]), SystemExit, ["2"]),
-    ("cli distill --steps 0", _distill_cli("--steps", "0", files=SYSTEM_FILE), SystemExit, ["2"]),
-    ("cli distill -N 0", _distill_cli("--num-virtual-tokens", "0", files=SYSTEM_FILE), SystemExit, ["2"]),
+    (
+        "cli inspect --base missing",
+        _cli("inspect", "{saved}", "--base", "{tmp}/nobase"),
+        SystemExit,
+        ["`--base`='{tmp}/nobase' is neither an existing folder"],
+    ),
+    (
+        "cli demo --model missing",
+        _cli("demo", "--model", "./no/such/model"),
+        SystemExit,
+        ["demo: error:", "`--model`='./no/such/model' is neither an existing folder"],
+    ),
+    (
+        "cli demo --steps 0",
+        _cli("demo", "--steps", "0"),
+        SystemExit,
+        ["demo: error:", "`--steps` must be >= 1, got 0"],
+    ),
+    ("cli run without command", _cli("run"), SystemExit, ["run: error:", "needs a command after `--`"]),
+    (
+        "cli distill --model missing",
+        _distill_cli("--model", "./no/such/model", files=SYSTEM_FILE),
+        SystemExit,
+        ["distill: error:", "`--model`='./no/such/model' is not a folder"],
+    ),
+    (
+        "cli distill no system prompt file",
+        _distill_cli("--system-prompt-file", "{tmp}/none.txt"),
+        SystemExit,
+        ["`--system-prompt-file`='{tmp}/none.txt' is not a file"],
+    ),
+    (
+        "cli distill empty system prompt",
+        _distill_cli(files=[("system.txt", "\n  \n")]),
+        SystemExit,
+        ["`--system-prompt-file`='{tmp}/system.txt' is empty"],
+    ),
+    (
+        "cli distill --steps 0",
+        _distill_cli("--steps", "0", files=SYSTEM_FILE),
+        SystemExit,
+        ["distill: error:", "`--steps` must be >= 1, got 0"],
+    ),
+    (
+        "cli distill -N 0",
+        _distill_cli("--num-virtual-tokens", "0", files=SYSTEM_FILE),
+        SystemExit,
+        ["`--num-virtual-tokens` must be >= 1, got 0"],
+    ),
     (
         "cli distill --user-file missing",
         _distill_cli("--user-file", "{tmp}/u.txt", files=SYSTEM_FILE),
         SystemExit,
-        ["2"],
+        ["`--user-file`='{tmp}/u.txt' is not a file"],
     ),
     (
         "cli distill empty --user-file",
         _distill_cli("--user-file", "{tmp}/u.txt", files=SYSTEM_FILE + [("u.txt", "\n")]),
         SystemExit,
-        ["2"],
+        ["`--user-file`='{tmp}/u.txt' holds no user turn"],
     ),
-    ("cli distill --out a file", _distill_cli("--out", "{tmp}/system.txt", files=SYSTEM_FILE), SystemExit, ["2"]),
-    ("cli distill no chat template", _distill_cli("--num-virtual-tokens", "2", files=SYSTEM_FILE), SystemExit, ["2"]),
-    ("cli run unknown command", _cli("run", "--", "no-such-program-xyz"), SystemExit, ["2"]),
+    (
+        "cli distill --out a file",
+        _distill_cli("--out", "{tmp}/system.txt", files=SYSTEM_FILE),
+        SystemExit,
+        ["`--out`='{tmp}/system.txt' is a file"],
+    ),
+    (
+        "cli distill no chat template",
+        _distill_cli("--num-virtual-tokens", "2", files=SYSTEM_FILE),
+        SystemExit,
+        ["`--model`=", "has no chat template", "Pass --plain"],
+    ),
+    (
+        "cli run unknown command",
+        _cli("run", "--", "no-such-program-xyz"),
+        SystemExit,
+        ["run: error:", "'no-such-program-xyz' not found on PATH"],
+    ),
 ]
 # Cases that change the saved folder on purpose (they damage it to test the CLI).
 DAMAGES_SAVED = {"cli inspect damaged", "cli inspect invalid JSON"}
@@ -773,10 +838,11 @@ def test_bad_input_is_refused_and_loses_nothing(world, capsys, name, action, err
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in err, err
+        message, words = err, [word.format(tmp=world.tmp, saved=world.saved) for word in words]
     else:
         message = str(raised.value)
-        for word in words:
-            assert word in message, f"{word!r} not in: {message}"
+    for word in words:
+        assert word in message, f"{word!r} not in: {message}"
     after = _state(world) if name not in DAMAGES_SAVED else {**_state(world), "saved": before["saved"]}
     _same(before, after)
 

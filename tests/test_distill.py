@@ -240,9 +240,14 @@ def test_plain_mode_needs_no_chat_template(tiny_model_dir):
 
 
 def test_samples_are_reused_across_students(tok, base, chat_dir):
-    first = _distill(base, tok, user_turns=USERS, steps=2).distill_report
-    second = _distill(AutoModelForCausalLM.from_pretrained(chat_dir).eval(), tok, steps=2, samples=first.samples)
-    assert second.distill_report.samples is first.samples and second.distill_report.none == first.none
+    # A student given another's samples trains and is scored on exactly those: with the same seed it is the student
+    # that drew them. No `user_turns` this time, so samples drawn afresh would be the teacher's own turns.
+    first = _distill(base, tok, user_turns=USERS, steps=2)
+    samples = first.distill_report.samples
+    second = _distill(AutoModelForCausalLM.from_pretrained(chat_dir).eval(), tok, steps=2, samples=samples)
+    assert torch.equal(second.base_model.prompt("default"), first.base_model.prompt("default"))
+    assert second.distill_report.student == first.distill_report.student
+    assert second.distill_report.none == first.distill_report.none
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -95,9 +95,23 @@ def test_default_and_explicit_lengths_match_base(model):
 
 
 def test_return_dict_looks_like_the_base_models(model):
+    # Code written against the base model's `generate` output (fields, per-step scores, the cache) reads ours as is.
     ids = random_ids(1, 4, seed=20)
-    out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
-    assert torch.equal(out.sequences[:, :4], ids) and out.sequences.shape == (1, 7)
+    kwargs = dict(
+        max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True
+    )
+    out = model.generate(input_ids=ids, **kwargs)
+    with model.disable_adapter():
+        base = model.generate(input_ids=ids, **kwargs)
+    assert type(out) is type(base) and list(out.keys()) == list(base.keys())
+    assert out.sequences.shape == base.sequences.shape == (1, 7)
+    assert torch.equal(out.sequences[:, :4], ids) and torch.equal(base.sequences[:, :4], ids)
+    for field in ("scores", "logits"):
+        assert [step.shape for step in out[field]] == [step.shape for step in base[field]], field
+    assert [layer.keys.shape for layer in out.cache.layers] == [layer.keys.shape for layer in base.cache.layers]
+    # The same layout, but the prompted model's own scores: greedy picked the tokens they rank first.
+    assert torch.equal(torch.stack(out.scores, dim=1).argmax(-1), out.sequences[:, 4:])
+    assert not torch.equal(out.sequences, base.sequences)
 
 
 @pytest.mark.parametrize("num_virtual_tokens", [2, 30])

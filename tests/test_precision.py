@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import BitsAndBytesConfig, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from peft_softprompt_plus import SoftPromptPlusConfig, gradient_flow
+from peft_softprompt_plus import SoftPromptPlusConfig, check_gradient_flow
 
 N = 5
 SAVED_KEY = "base_model.softprompt_plus.prompt"
@@ -389,14 +389,11 @@ def test_trainer_bf16_on_cpu_trains_a_float32_prompt(make_base, tmp_path):
 
 
 def test_prompt_forced_to_fp16_is_reported(make_base):
-    check = getattr(gradient_flow, "check_gradient_flow", None)
-    if check is None:
-        pytest.skip("gradient_flow.check_gradient_flow (the gradient-flow issue) is not in the library yet")
     model = _attach(make_base().half())
-    assert "low_precision_prompt" not in {f.code for f in check(model).findings}  # a float32 prompt is healthy
+    assert "low_precision_prompt" not in {f.code for f in check_gradient_flow(model).findings}  # float32: healthy
     prompt = _prompt(model)
     prompt.data = prompt.data.half()  # by hand, past the bank's guard
-    assert "low_precision_prompt" in {f.code for f in check(model).findings}
+    assert "low_precision_prompt" in {f.code for f in check_gradient_flow(model).findings}
 
 
 # ------------------------------------------------------------------------------------------------ GPU script

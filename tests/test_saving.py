@@ -83,20 +83,35 @@ def test_wrong_base_is_explained(trained, tmp_path):
     assert {n: p.requires_grad for n, p in wider.named_parameters()} == flags  # the caller's base is untouched
 
 
+def _tree_bytes(root):
+    return {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*") if path.is_file()}
+
+
 def test_failed_save_leaves_previous_adapter_intact(trained, tmp_path, monkeypatch):
-    trained.save_pretrained(tmp_path)
-    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+    # The target gets its own parent, so the staging folders beside it (saving.py: `.<target>.softprompt-plus-save-
+    # <pid>-...`) are the only other entries there.
+    target = tmp_path / "adapter"
+    trained.save_pretrained(target)
+    before = _tree_bytes(target)
+    assert os.listdir(tmp_path) == ["adapter"]  # a successful save cleans up its staging folder too
     with torch.no_grad():
         trained.base_model.prompt("default").add_(1.0)
+    written_to = []
 
-    def disk_full(*args, **kwargs):
+    def disk_full(tensors, filename, *args, **kwargs):
+        written_to.append(os.path.relpath(filename, tmp_path))
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("peft.peft_model.safe_save_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        trained.save_pretrained(tmp_path)
-    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before
-    assert not [f for f in os.listdir(tmp_path.parent) if f.startswith(".softprompt-plus-save-")]
+        trained.save_pretrained(target)
+    # The failure came while the save wrote into a staging folder, not into the target; else the check below that it
+    # is gone would pass without a staging folder ever existing.
+    [written] = written_to
+    staging, file = os.path.split(written)
+    assert file == "adapter_model.safetensors" and staging.startswith(f".adapter.softprompt-plus-save-{os.getpid()}-")
+    assert _tree_bytes(target) == before
+    assert os.listdir(tmp_path) == ["adapter"]
 
 
 def test_save_into_a_file_path_is_refused(trained, tmp_path):

@@ -93,6 +93,25 @@ def test_for_an_engine_that_scales_the_embeddings_itself(family):
             assert torch.equal(row, default[b]) == (scale == 1.0)  # no scale: the same sequence
 
 
+@pytest.mark.parametrize("family", ["gemma2", "llama"])
+def test_an_engine_that_scales_the_embeddings_reads_a_residual_adapters_encoded_prompt(family):
+    # A residual adapter that was never saved and reloaded still holds its raw prompt and encoder: what the model
+    # reads is the encoder's output, and the engine, once it has multiplied by its scale, must read the same.
+    model, engine = _prompted(family, reparameterization="residual"), tiny_family(family)
+    tuner = model.base_model
+    read = tuner.prompt_for_use("default").detach()  # [N, D] what this library's forward feeds the model
+    assert not torch.allclose(read, tuner.prompt("default").to(read.dtype), atol=1e-3)  # the encoder moves it
+    scale = float(getattr(engine.get_input_embeddings(), "embed_scale", 1.0))
+    ids, mask = _batch()
+    rows = prompt_embeds(model, ids, mask, engine_scales_embeddings=True)
+    with torch.no_grad():
+        for b, row in enumerate(rows):
+            torch.testing.assert_close(row[:N] * scale, read, atol=1e-5, rtol=1e-5)
+            real = ids[b][mask[b].bool()]
+            served = engine(inputs_embeds=row[None] * scale).logits[0, N:]
+            torch.testing.assert_close(served, model(input_ids=real[None]).logits[0], atol=1e-4, rtol=0)
+
+
 def test_one_call_many_forms(make_peft):
     model = make_peft(num_virtual_tokens=N)
     model.add_adapter("other", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=2, init_seed=9))

@@ -129,13 +129,14 @@ def prompt_embeds(
     name = _adapter(tuner, adapter_name)
     embedding = tuner.model.get_input_embeddings()
     ids, mask = _rows(input_ids, attention_mask, embedding.num_embeddings)
+    # What this library's forward reads (a residual adapter's encoder output, not its raw leaf), in both branches.
     prompt = tuner.prompt_for_use(name).detach()  # [N, D]
     _check_fits(mask, prompt.shape[0], semantics.max_positions(tuner.model.config))
     with torch.no_grad():
         ids = ids.to(embedding.weight.device)
         if engine_scales_embeddings:  # the engine multiplies both parts by the scale again
             weight = embedding.weight
-            prompt = (tuner.prompt(name).detach() / _embed_scale(embedding).to(weight.device)).to(weight.dtype)
+            prompt = (prompt.float() / _embed_scale(embedding).to(weight.device)).to(weight.dtype)
             text = nn.functional.embedding(ids, weight, embedding.padding_idx)  # [B, L, D] the raw rows
         else:
             text = embedding(ids)  # [B, L, D], as this library's forward embeds the text
