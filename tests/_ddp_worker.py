@@ -7,7 +7,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from _checkpointing import checkpointing_arg, is_checkpointing  # noqa: E402
+from _versions import checkpointing_arg, is_checkpointing  # noqa: E402
 from peft import get_peft_model  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 

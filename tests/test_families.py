@@ -1,11 +1,12 @@
 """The prompt at the attention across decoder families (attention.py): every family in `tiny.FAMILIES` against a
 plain `inputs_embeds` concatenation reference, with left padding, with gradient checkpointing, and in `generate`."""
 
+import importlib
 import inspect
 
 import pytest
 import torch
-from _checkpointing import checkpointing_on
+from _versions import checkpointing_on
 from peft import get_peft_model
 
 from peft_softprompt_plus import SoftPromptPlusConfig
@@ -13,8 +14,14 @@ from peft_softprompt_plus.tiny import FAMILIES, tiny_family
 
 N = 5
 VOCAB = 300
-# Families whose attention doesn't run through transformers' registry: they fall back to concatenation.
-CONCAT_ONLY = {"bloom", "falcon"}
+# Families whose attention doesn't run through transformers' registry fall back to concatenation: Bloom and Falcon,
+# and any family whose modeling code doesn't use the registry at all in the installed release (GPT-J before 5.24).
+CONCAT_ONLY = {"bloom", "falcon"} | {
+    family
+    for family in FAMILIES
+    if "ALL_ATTENTION_FUNCTIONS"
+    not in inspect.getsource(importlib.import_module(f"transformers.models.{family}.modeling_{family}"))
+}
 
 
 def batch():

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from _checkpointing import HAS_NEW_NAMES
+from _versions import HAS_NEW_NAMES
 from conftest import prompt_tuning_reference, random_ids
 from transformers.loss.loss_utils import ForCausalLMLoss
 

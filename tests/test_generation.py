@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from _versions import cache_of
 from conftest import random_ids
 
 
@@ -108,7 +109,9 @@ def test_return_dict_looks_like_the_base_models(model):
     assert torch.equal(out.sequences[:, :4], ids) and torch.equal(base.sequences[:, :4], ids)
     for field in ("scores", "logits"):
         assert [step.shape for step in out[field]] == [step.shape for step in base[field]], field
-    assert [layer.keys.shape for layer in out.cache.layers] == [layer.keys.shape for layer in base.cache.layers]
+    assert [layer.keys.shape for layer in cache_of(out).layers] == [
+        layer.keys.shape for layer in cache_of(base).layers
+    ]
     # The same layout, but the prompted model's own scores: greedy picked the tokens they rank first.
     assert torch.equal(torch.stack(out.scores, dim=1).argmax(-1), out.sequences[:, 4:])
     assert not torch.equal(out.sequences, base.sequences)
@@ -120,7 +123,7 @@ def test_the_cache_holds_the_text_alone(make_base, make_peft, num_virtual_tokens
     model = make_peft(num_virtual_tokens=num_virtual_tokens).eval()
     ids = random_ids(3, 5, seed=22)
     out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-    for layer in out.cache.layers:
+    for layer in cache_of(out).layers:
         assert layer.keys.shape[:3] == (3, model.config.n_head, 5 + 4 - 1)
 
 

@@ -6,6 +6,7 @@ to a reference), and, where the pattern is a bug, that `check_gradient_flow` nam
 
 import pytest
 import torch
+from _versions import CACHE, cache_of
 from conftest import random_ids
 from torch import nn
 
@@ -54,9 +55,9 @@ def _batch(batch=2, length=5):
 def test_cache_carries_the_gradient(make_base):
     gpt2, ids = _frozen(make_base), random_ids(1, 5)
     prompt = nn.Parameter(torch.randn(N, D) * 0.02)
-    cache = gpt2.transformer(inputs_embeds=prompt[None], use_cache=True).cache  # the prompt's keys/values
+    cache = cache_of(gpt2.transformer(inputs_embeds=prompt[None], use_cache=True))  # the prompt's keys/values
     positions = torch.arange(N, N + ids.shape[1])[None]  # [1, L]
-    logits = gpt2(input_ids=ids, cache=cache, position_ids=positions).logits  # [1, L, V]
+    logits = gpt2(input_ids=ids, **{CACHE: cache}, position_ids=positions).logits  # [1, L, V]
     loss = nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
     via_cache = _grad(loss, prompt)
     text = gpt2.transformer.wte(ids)
@@ -74,10 +75,10 @@ def test_cache_built_under_no_grad_cuts_the_gradient(make_base):
 
         def forward(self, input_ids, labels):
             with torch.no_grad():
-                cache = self.gpt2.transformer(inputs_embeds=self.prompt[None], use_cache=True).cache
+                cache = cache_of(self.gpt2.transformer(inputs_embeds=self.prompt[None], use_cache=True))
             cache.batch_repeat_interleave(len(input_ids))
             positions = torch.arange(N, N + input_ids.shape[1]).expand(len(input_ids), -1)
-            return self.gpt2(input_ids=input_ids, cache=cache, position_ids=positions, labels=labels)
+            return self.gpt2(input_ids=input_ids, **{CACHE: cache}, position_ids=positions, labels=labels)
 
     model = CachedUnderNoGrad()
     report = check_gradient_flow(model, _batch(), prompt=model.prompt)

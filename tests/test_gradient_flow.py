@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checkpointing import checkpointing_on
+from _versions import checkpointing_on
 from conftest import random_ids
 from peft import PeftModel
 from torch import nn

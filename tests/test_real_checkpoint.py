@@ -4,7 +4,7 @@ checkpointing and a bf16 base. The first run fetches and converts it (~1 min); l
 
 import pytest
 import torch
-from _checkpointing import checkpointing_on
+from _versions import checkpointing_on
 from conftest import prompt_tuning_reference
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file

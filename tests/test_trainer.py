@@ -8,7 +8,7 @@ from typing import Optional
 
 import pytest
 import torch
-from _checkpointing import checkpointing_arg
+from _versions import checkpointing_arg
 from conftest import prompt_tuning_reference
 from datasets import Dataset
 from peft import PeftModel, get_peft_model

@@ -7,7 +7,7 @@ must equal the ones PEFT PROMPT_TUNING gives for the same prompt values (which i
 
 import pytest
 import torch
-from _checkpointing import checkpointing_arg, is_checkpointing
+from _versions import checkpointing_arg, is_checkpointing
 from conftest import prompt_tuning_reference
 from datasets import Dataset
 from peft import PeftModel, get_peft_model

@@ -20,6 +20,7 @@ from contextlib import redirect_stdout
 
 import pytest
 import torch
+from _versions import HAS_NEW_NAMES
 from conftest import random_ids
 from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -121,8 +122,9 @@ def test_a_documented_path_raises_no_warning(name, tiny_model_dir, tmp_path, cap
 def test_the_harness_catches_the_warnings_we_removed(tiny_model_dir, make_base, caplog):
     # The reference: the same calls where nothing of ours removes them. PEFT's own FutureWarning for LoRA ...
     lora = LoraConfig(target_modules=["c_attn"], fan_in_fan_out=True)
-    with pytest.raises(FutureWarning, match="is_gradient_checkpointing"):
-        _quietly(lambda: get_peft_model(make_base(), lora), caplog)
+    if HAS_NEW_NAMES:  # transformers 5.24+ deprecates the name PEFT reads; older releases have nothing to remove
+        with pytest.raises(FutureWarning, match="is_gradient_checkpointing"):
+            _quietly(lambda: get_peft_model(make_base(), lora), caplog)
     # ... and transformers' log line for a GPT-2 without a loss_type, trained as it comes.
     ids = random_ids(1, 4)
     logged = _quietly(lambda: make_base()(input_ids=ids, labels=ids), caplog)
