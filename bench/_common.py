@@ -29,7 +29,7 @@ from transformers import BitsAndBytesConfig, GPT2Config, GPT2LMHeadModel  # noqa
 
 import peft_softprompt_plus  # noqa: E402,F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig  # noqa: E402
-from peft_softprompt_plus.tiny import tiny_config  # noqa: E402
+from peft_softprompt_plus.apps.tiny import tiny_config  # noqa: E402
 
 MB = 2**20
 

@@ -22,10 +22,10 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus import SoftPromptPlusConfig, distill_prompt, student_inputs
-from peft_softprompt_plus.distill_data import left_padded, prepare
-from peft_softprompt_plus.distill_score import scored_batch, teacher_logits, token_kl
-from peft_softprompt_plus.distill_teacher import TEACHER, Sample, attach_teacher
-from peft_softprompt_plus.fetch import fetch_checkpoint
+from peft_softprompt_plus.apps.fetch import fetch_checkpoint
+from peft_softprompt_plus.distill.data import left_padded, prepare
+from peft_softprompt_plus.distill.score import scored_batch, teacher_logits, token_kl
+from peft_softprompt_plus.distill.teacher import TEACHER, Sample, attach_teacher
 
 DATA = Path(__file__).resolve().parent / "distill_data"
 SIZES = (4, 8, 16, 32)

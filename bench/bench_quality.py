@@ -1,5 +1,5 @@
 """The learning harness: how well each way of adapting a frozen real checkpoint learns the capitals task
-(`peft_softprompt_plus.capitals`: 160 training countries, 88 held out), at equal steps and at equal training time,
+(`peft_softprompt_plus.apps.capitals`: 160 training countries, 88 held out), at equal steps and at equal training time,
 over several seeds. Every later change to how prompts learn is judged here. Method and targets: bench/README.md.
 
     python bench/bench_quality.py run                      # every variant, seeds 0-2 (hours on 2 cores)
@@ -32,7 +32,7 @@ from peft import LoraConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_m
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup  # noqa: E402
 
 from peft_softprompt_plus import SoftPromptPlusConfig, capitals  # noqa: E402
-from peft_softprompt_plus.fetch import fetch_checkpoint  # noqa: E402
+from peft_softprompt_plus.apps.fetch import fetch_checkpoint  # noqa: E402
 
 N = 20
 STEPS = 120

@@ -1,5 +1,5 @@
 """The train step, step memory and `generate` on a real pretrained checkpoint (SmolLM2-135M-Instruct from the package
-index, `peft_softprompt_plus.fetch`), against PEFT PROMPT_TUNING and the frozen-model floor in the same run, with
+index, `peft_softprompt_plus.apps.fetch`), against PEFT PROMPT_TUNING and the frozen-model floor in the same run, with
 gradient checkpointing off and on. Method and targets: bench/README.md.
 
     python bench/bench_real.py            # B=8, L=64, N=20 and 100, 5 rounds (about 25 minutes on 2 cores)
@@ -17,7 +17,7 @@ import bench_speed as speed
 import torch
 from transformers import AutoModelForCausalLM
 
-from peft_softprompt_plus.fetch import CHECKPOINTS, fetch_checkpoint
+from peft_softprompt_plus.apps.fetch import CHECKPOINTS, fetch_checkpoint
 
 TARGETS = speed.Targets(
     speedup={(False, 100): ">= 2.0", (True, 100): ">= 2.0", (False, 20): ">= 1.15", (True, 20): ">= 1.15"},

@@ -17,7 +17,7 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus import SoftPromptPlusConfig, check_gradient_flow
-from peft_softprompt_plus.tiny import tiny_gpt2, tiny_tokenizer
+from peft_softprompt_plus.apps.tiny import tiny_gpt2, tiny_tokenizer
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog",

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-# Inline rather than from peft_softprompt_plus.tiny: nothing that imports huggingface_hub may load before the
+# Inline rather than from peft_softprompt_plus.apps.tiny: nothing that imports huggingface_hub may load before the
 # endpoint is set. Replace with your own texts.
 TEXTS = [
     "red green blue yellow black white orange purple",
@@ -68,7 +68,7 @@ def load_base(name: Optional[str], seed: int, workdir: str) -> str:
     """A local folder or Hub id holding the base model and tokenizer; the tiny default is written to `workdir`."""
     if name is not None:
         return name
-    from peft_softprompt_plus.tiny import save_tiny
+    from peft_softprompt_plus.apps.tiny import save_tiny
 
     return save_tiny(os.path.join(workdir, "tiny-gpt2"), seed=seed)
 
@@ -99,7 +99,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         import peft_softprompt_plus  # noqa: F401  (registers SOFTPROMPT_PLUS with PEFT before any PEFT call)
         from peft_softprompt_plus import SoftPromptPlusConfig
-        from peft_softprompt_plus.hub import push_to_hub
+        from peft_softprompt_plus.files.hub import push_to_hub
 
         torch.manual_seed(args.seed)
         base_path = load_base(args.model, args.seed, workdir)

@@ -20,7 +20,16 @@ from transformers import AutoModelForCausalLM
 
 import peft_softprompt_plus  # noqa: F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.demo import HELD_OUT, TAGS, TRAIN_WORDS, WORDS, encode, left_padded, pairs, pretrain_tiny
+from peft_softprompt_plus.apps.demo import (
+    HELD_OUT,
+    TAGS,
+    TRAIN_WORDS,
+    WORDS,
+    encode,
+    left_padded,
+    pairs,
+    pretrain_tiny,
+)
 
 TASKS = tuple(TAGS)  # ("up", "down"): one adapter per task
 

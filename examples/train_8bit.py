@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 import peft_softprompt_plus  # noqa: F401  (registers SOFTPROMPT_PLUS with PEFT; import it before any PEFT call)
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.tiny import SAMPLE_TEXTS, save_tiny
+from peft_softprompt_plus.apps.tiny import SAMPLE_TEXTS, save_tiny
 
 TEXTS = SAMPLE_TEXTS[:4]  # replace with your own texts
 

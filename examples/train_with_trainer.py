@@ -29,7 +29,7 @@ from transformers import (
 
 import peft_softprompt_plus  # noqa: F401  (registers SOFTPROMPT_PLUS with PEFT; import it before any PEFT call)
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.tiny import SAMPLE_TEXTS, tiny_gpt2, tiny_tokenizer
+from peft_softprompt_plus.apps.tiny import SAMPLE_TEXTS, tiny_gpt2, tiny_tokenizer
 
 TEXTS = SAMPLE_TEXTS  # replace with your own texts
 

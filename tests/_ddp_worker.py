@@ -13,7 +13,7 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import peft_softprompt_plus  # noqa: E402,F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig  # noqa: E402
-from peft_softprompt_plus.tiny import tiny_gpt2  # noqa: E402
+from peft_softprompt_plus.apps.tiny import tiny_gpt2  # noqa: E402
 
 LENGTH = 10
 

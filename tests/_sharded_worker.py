@@ -22,7 +22,7 @@ from peft import get_peft_model  # noqa: E402
 
 import peft_softprompt_plus  # noqa: E402,F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig  # noqa: E402
-from peft_softprompt_plus.tiny import tiny_gpt2  # noqa: E402
+from peft_softprompt_plus.apps.tiny import tiny_gpt2  # noqa: E402
 
 NUM_VIRTUAL_TOKENS = 4
 LENGTH = 10

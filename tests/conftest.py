@@ -12,7 +12,7 @@ from peft import get_peft_model  # noqa: E402
 
 import peft_softprompt_plus  # noqa: E402,F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig  # noqa: E402
-from peft_softprompt_plus.tiny import save_tiny, tiny_gpt2, tiny_tokenizer  # noqa: E402
+from peft_softprompt_plus.apps.tiny import save_tiny, tiny_gpt2, tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")

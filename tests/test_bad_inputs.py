@@ -24,8 +24,8 @@ from peft_softprompt_plus import (
     distill_prompt,
     prompt_embeds,
 )
-from peft_softprompt_plus.cli import main as cli_main
-from peft_softprompt_plus.tiny import tiny_gpt2
+from peft_softprompt_plus.apps.cli import main as cli_main
+from peft_softprompt_plus.apps.tiny import tiny_gpt2
 
 
 @dataclass

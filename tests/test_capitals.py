@@ -4,9 +4,10 @@ import torch
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from peft_softprompt_plus import SoftPromptPlusConfig, capitals
-from peft_softprompt_plus.fetch import fetch_checkpoint
-from peft_softprompt_plus.tiny import tiny_tokenizer
+from peft_softprompt_plus import SoftPromptPlusConfig
+from peft_softprompt_plus.apps import capitals
+from peft_softprompt_plus.apps.fetch import fetch_checkpoint
+from peft_softprompt_plus.apps.tiny import tiny_tokenizer
 
 
 def test_the_split_is_fixed_disjoint_and_has_one_row_per_country():

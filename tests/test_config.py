@@ -60,7 +60,7 @@ def test_every_bad_field_is_reported_at_once():
 def test_options_are_enums_that_serialise_as_strings(tmp_path):
     import json
 
-    from peft_softprompt_plus.config import ForwardPath, PromptInit
+    from peft_softprompt_plus.method.config import ForwardPath, PromptInit
 
     config = SoftPromptPlusConfig(prompt_init="vocab", forward_path=ForwardPath.CONCAT)
     assert config.prompt_init is PromptInit.VOCAB and config.forward_path is ForwardPath.CONCAT

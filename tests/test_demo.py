@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from peft_softprompt_plus.demo import run_demo, run_real_demo
+from peft_softprompt_plus.apps.demo import run_demo, run_real_demo
 
 
 def test_demo_learns_a_task_it_can_reload(tmp_path):
@@ -34,7 +34,7 @@ def test_the_real_demo_runs_end_to_end_on_a_few_steps(tmp_path):
 
 
 def test_the_demo_cli_runs_the_real_job_for_a_checkpoint_name(monkeypatch, capsys):
-    from peft_softprompt_plus import cli, demo
+    from peft_softprompt_plus.apps import cli, demo
 
     seen = {}
 

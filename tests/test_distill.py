@@ -1,5 +1,5 @@
-"""Prompt distillation (distill.py, distill_data.py, distill_teacher.py, distill_score.py) on tiny seeded models with a
-hand-written chat template that, like SmolLM2's, inserts a default system prompt when none is given. References: the
+"""Prompt distillation (distill/run.py, data.py, teacher.py, score.py) on tiny seeded models with a hand-written
+chat template that, like SmolLM2's, inserts a default system prompt when none is given. References: the
 template's own rendering, the base model fed the hard token ids, a KL computed by hand, the saved keys as a set."""
 
 import json
@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus import distill_prompt, student_inputs, student_text
 from peft_softprompt_plus._names import SAVED_KEY
-from peft_softprompt_plus.cli import main as cli_main
-from peft_softprompt_plus.distill_data import prepare
-from peft_softprompt_plus.distill_score import scored_batch, teacher_logits, token_kl
-from peft_softprompt_plus.distill_teacher import TEACHER, Sample, attach_teacher
-from peft_softprompt_plus.tiny import FAMILIES, tiny_tokenizer
+from peft_softprompt_plus.apps.cli import main as cli_main
+from peft_softprompt_plus.apps.tiny import FAMILIES, tiny_tokenizer
+from peft_softprompt_plus.distill.data import prepare
+from peft_softprompt_plus.distill.score import scored_batch, teacher_logits, token_kl
+from peft_softprompt_plus.distill.teacher import TEACHER, Sample, attach_teacher
 
 DEFAULT_SYSTEM = "the default helper"
 TEMPLATE = (
@@ -124,7 +124,8 @@ def test_the_teacher_adapter_equals_the_base_fed_the_hard_tokens(tok, base, chat
 def test_the_teacher_prompt_pass_runs_once_and_never_trains(tok, base, monkeypatch):
     from peft import get_peft_model
 
-    from peft_softprompt_plus import SoftPromptPlusConfig, forward_paths
+    from peft_softprompt_plus import SoftPromptPlusConfig
+    from peft_softprompt_plus.forward import paths as forward_paths
 
     prepared = prepare(tok, SYSTEM, chat=True, num_virtual_tokens=4)
     model = get_peft_model(base, SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, init_seed=0))
@@ -314,7 +315,7 @@ def test_real_checkpoint_teacher_is_the_hard_prompt_and_the_default_system_promp
     from peft import get_peft_model
 
     from peft_softprompt_plus import SoftPromptPlusConfig
-    from peft_softprompt_plus.fetch import fetch_checkpoint
+    from peft_softprompt_plus.apps.fetch import fetch_checkpoint
 
     path = fetch_checkpoint("smollm2")
     tok = AutoTokenizer.from_pretrained(path)

@@ -10,7 +10,7 @@ from _versions import checkpointing_on
 from peft import get_peft_model
 
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.tiny import FAMILIES, tiny_family
+from peft_softprompt_plus.apps.tiny import FAMILIES, tiny_family
 
 N = 5
 VOCAB = 300

@@ -7,8 +7,8 @@ import zipfile
 
 import pytest
 
-from peft_softprompt_plus import fetch
-from peft_softprompt_plus.fetch import FetchError, Wheel
+from peft_softprompt_plus.apps import fetch
+from peft_softprompt_plus.apps.fetch import FetchError, Wheel
 
 
 def make_wheel(folder, project="demo-data", version="1.0", files=None) -> tuple[Wheel, str]:

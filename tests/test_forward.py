@@ -1,4 +1,4 @@
-"""Forward semantics (semantics.py, forward_paths.py, tasks.py) against PEFT PROMPT_TUNING and invariants."""
+"""Forward semantics (semantics.py, forward/paths.py, tasks.py) against PEFT PROMPT_TUNING and invariants."""
 
 import importlib
 import warnings
@@ -125,7 +125,7 @@ def test_a_custom_loss_function_runs_the_last_prompt_position_in_the_text_pass(m
 
 
 _KERNEL_MODULES = {
-    "sdpa": "peft_softprompt_plus.attention.sdpa_attention_forward",
+    "sdpa": "peft_softprompt_plus.forward.attention.sdpa_attention_forward",
     "eager": "transformers.models.gpt2.modeling_gpt2.eager_attention_forward",
 }
 

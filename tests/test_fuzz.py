@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from peft import get_peft_model
 
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.tiny import tiny_gpt2
+from peft_softprompt_plus.apps.tiny import tiny_gpt2
 
 SETTINGS = settings(
     max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]

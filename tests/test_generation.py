@@ -188,7 +188,7 @@ def test_a_prompt_edited_behind_autograds_back_is_seen(model):
 
 
 def test_inference_forwards_reuse_the_stored_prompt_pass(model, monkeypatch):
-    from peft_softprompt_plus import forward_paths
+    from peft_softprompt_plus.forward import paths as forward_paths
 
     calls = []
     original = forward_paths.prompt_pass
@@ -205,7 +205,7 @@ def test_inference_forwards_reuse_the_stored_prompt_pass(model, monkeypatch):
 
 def test_logits_to_keep_without_labels_reads_the_stored_prompt_pass(model, monkeypatch):
     # Distillation scores the last K positions only; trimming the logits must not send the prompt into the text pass.
-    from peft_softprompt_plus import forward_paths
+    from peft_softprompt_plus.forward import paths as forward_paths
 
     calls = []
     original = forward_paths.prompt_pass

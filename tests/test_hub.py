@@ -236,7 +236,7 @@ def test_inspect_reads_a_hub_repo(hub_run):
 
 
 def test_push_refuses_a_model_that_is_not_ours(make_base):
-    from peft_softprompt_plus.hub import push_to_hub
+    from peft_softprompt_plus.files.hub import push_to_hub
 
     with pytest.raises(
         ValueError, match=r"`model` must be a PeftModel with a SOFTPROMPT_PLUS adapter, got GPT2LMHead"
@@ -249,7 +249,7 @@ def test_push_in_offline_mode_is_clear(make_peft, tmp_path):
 
     if not huggingface_hub.constants.HF_HUB_OFFLINE:
         pytest.skip("this process was started with HF_HUB_OFFLINE=0")
-    from peft_softprompt_plus.hub import push_to_hub
+    from peft_softprompt_plus.files.hub import push_to_hub
 
     model = make_peft()
     model.save_pretrained(tmp_path / "adapter")
@@ -295,9 +295,9 @@ def _client_side(work: Path, dead_endpoint: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from peft_softprompt_plus import SoftPromptPlusConfig
-    from peft_softprompt_plus.hub import push_to_hub
-    from peft_softprompt_plus.inspect_adapter import inspect_adapter
-    from peft_softprompt_plus.tiny import save_tiny, tiny_gpt2
+    from peft_softprompt_plus.apps.tiny import save_tiny, tiny_gpt2
+    from peft_softprompt_plus.files.hub import push_to_hub
+    from peft_softprompt_plus.files.inspect_adapter import inspect_adapter
 
     record: dict = {}
 

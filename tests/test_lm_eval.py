@@ -23,8 +23,8 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.cli import STARTUP_DIR
-from peft_softprompt_plus.tiny import save_tiny
+from peft_softprompt_plus.apps.cli import STARTUP_DIR
+from peft_softprompt_plus.apps.tiny import save_tiny
 
 pytest.importorskip("lm_eval")
 
@@ -110,7 +110,7 @@ def _samples(out: Path, task: str) -> list[dict]:
 
 def _run_recipe(setup: dict, batch_size: int) -> dict:
     out = setup["tmp"] / f"out-bs{batch_size}"
-    command = [sys.executable, "-m", "peft_softprompt_plus.cli", "run", "--", "lm_eval"]
+    command = [sys.executable, "-m", "peft_softprompt_plus.apps.cli", "run", "--", "lm_eval"]
     done = subprocess.run(command + _lm_eval_args(setup, "spp_mc,spp_gen", batch_size, out), env=setup["env"],
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.prompt_init import initial_prompt
+from peft_softprompt_plus.method.prompt_init import initial_prompt
 
 
 def init(model, **kwargs):
@@ -115,7 +115,7 @@ def test_labels_with_a_foreign_tokenizer_are_explained(make_base, tokenizer, tmp
 def test_inits_follow_what_the_embedding_module_outputs_even_when_it_scales():
     # transformers 5's Gemma-2 multiplies its rows by sqrt(D) inside the embedding module: a prompt built from raw
     # weight rows would start sqrt(D) = 8 times smaller than the text it sits beside.
-    from peft_softprompt_plus.tiny import tiny_family
+    from peft_softprompt_plus.apps.tiny import tiny_family
 
     model = tiny_family("gemma2", vocab_size=300)
     embedding = model.get_input_embeddings()

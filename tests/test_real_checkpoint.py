@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus import SoftPromptPlusConfig, check_gradient_flow
 from peft_softprompt_plus._names import SAVED_KEY
-from peft_softprompt_plus.fetch import fetch_checkpoint
+from peft_softprompt_plus.apps.fetch import fetch_checkpoint
 
 N = 8
 

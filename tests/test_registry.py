@@ -1,4 +1,4 @@
-"""Registration with PEFT (_peft_registry.py): a real `PeftType` member, idempotent imports."""
+"""Registration with PEFT (integrations/peft_registry.py): a real `PeftType` member, idempotent imports."""
 
 import importlib
 import inspect
@@ -41,7 +41,7 @@ def test_peft_type_member():
 
 def test_reimport_and_reload_are_harmless(make_base):
     members = len(PeftType)
-    importlib.reload(importlib.import_module("peft_softprompt_plus._peft_registry"))
+    importlib.reload(importlib.import_module("peft_softprompt_plus.integrations.peft_registry"))
     reloaded = importlib.reload(peft_softprompt_plus)
     assert len(PeftType) == members
     model = peft.get_peft_model(
@@ -70,7 +70,7 @@ def test_enum_extension_on_a_fresh_str_enum():
     import enum
     import pickle
 
-    from peft_softprompt_plus._peft_registry import _extend_str_enum
+    from peft_softprompt_plus.integrations.peft_registry import _extend_str_enum
 
     class Kind(str, enum.Enum):
         A = "A"
@@ -112,7 +112,7 @@ def _where(patch) -> str:
 
 
 def test_patched_peft_signatures_are_the_ones_we_checked():
-    from peft_softprompt_plus._peft_registry import PATCHES, PEFT_CHECKED, _original
+    from peft_softprompt_plus.integrations.peft_registry import PATCHES, PEFT_CHECKED, _original
 
     assert sorted(_where(p) for p in PATCHES) == sorted(PINNED_SIGNATURES)
     for patch in PATCHES:
@@ -125,7 +125,7 @@ def test_patched_peft_signatures_are_the_ones_we_checked():
 
 
 def test_patches_are_visible_under_our_names():
-    from peft_softprompt_plus._peft_registry import PATCHES
+    from peft_softprompt_plus.integrations.peft_registry import PATCHES
 
     for patch in PATCHES:
         installed = inspect.getattr_static(patch.owner, patch.name)

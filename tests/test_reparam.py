@@ -17,7 +17,7 @@ from transformers import Trainer
 
 from peft_softprompt_plus import SoftPromptPlusConfig, check_gradient_flow
 from peft_softprompt_plus._names import ENCODER_FILE, RAW_KEY, SAVED_KEY
-from peft_softprompt_plus.tiny import FAMILIES, tiny_family, tiny_gpt2
+from peft_softprompt_plus.apps.tiny import FAMILIES, tiny_family, tiny_gpt2
 
 N = 5
 

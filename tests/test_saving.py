@@ -1,4 +1,4 @@
-"""Save/load (PEFT hooks in tuner.py, the crash-safe save in _peft_registry.py, model_card.py)."""
+"""Save/load (PEFT hooks in tuner.py, the crash-safe save in integrations/peft_registry.py, model_card.py)."""
 
 import json
 import os
@@ -11,7 +11,7 @@ from peft import AutoPeftModelForCausalLM, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.tiny import tiny_gpt2
+from peft_softprompt_plus.apps.tiny import tiny_gpt2
 
 
 @pytest.fixture

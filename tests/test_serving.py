@@ -12,7 +12,7 @@ from conftest import random_ids
 from peft import get_peft_model
 
 from peft_softprompt_plus import SoftPromptPlusConfig, prompt_embeds
-from peft_softprompt_plus.tiny import FAMILIES, tiny_family
+from peft_softprompt_plus.apps.tiny import FAMILIES, tiny_family
 
 N = 4
 MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1]])  # left-padded

@@ -14,7 +14,7 @@ import pytest
 import torch
 from peft import PeftModel
 
-from peft_softprompt_plus.tiny import tiny_gpt2
+from peft_softprompt_plus.apps.tiny import tiny_gpt2
 
 WORKER = os.path.join(os.path.dirname(__file__), "_sharded_worker.py")
 TIMEOUT_S = 240

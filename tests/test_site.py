@@ -17,11 +17,13 @@ import pytest
 import torch
 from peft import get_peft_model
 
-from peft_softprompt_plus import SoftPromptPlusConfig, cli
-from peft_softprompt_plus.tiny import save_tiny, tiny_gpt2
+import peft_softprompt_plus
+from peft_softprompt_plus import SoftPromptPlusConfig
+from peft_softprompt_plus.apps import cli
+from peft_softprompt_plus.apps.tiny import save_tiny, tiny_gpt2
 
 SITE_PACKAGES = [p for p in site.getsitepackages() if os.path.isdir(p)]
-SOURCE = os.path.dirname(os.path.dirname(os.path.abspath(cli.__file__)))  # `src/` of an editable install
+SOURCE = os.path.dirname(os.path.dirname(os.path.abspath(peft_softprompt_plus.__file__)))  # `src/` (editable install)
 
 
 def _env(**extra) -> dict:
@@ -40,7 +42,7 @@ def _bare_python(code: str) -> list[str]:
 
 def _softprompt_plus_run(*command: str, env: dict) -> subprocess.CompletedProcess:
     """`softprompt-plus run -- COMMAND`, started as its console script would be."""
-    launcher = [sys.executable, "-m", "peft_softprompt_plus.cli", "run", "--", *command]
+    launcher = [sys.executable, "-m", "peft_softprompt_plus.apps.cli", "run", "--", *command]
     return subprocess.run(launcher, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -112,7 +114,7 @@ def test_run_keeps_the_sitecustomize_it_shadows_and_the_exit_status(tmp_path):
 
 def test_run_imports_nothing_heavy_until_peft_is_imported():
     code = (
-        "import sys; heavy = [m for m in ('torch', 'transformers', 'peft', 'peft_softprompt_plus.tuner') "
+        "import sys; heavy = [m for m in ('torch', 'transformers', 'peft', 'peft_softprompt_plus.method.tuner') "
         "if m in sys.modules]; print('before', heavy); import peft; "
         "from peft.utils.peft_types import PeftType; print('after', PeftType('SOFTPROMPT_PLUS').value)"
     )

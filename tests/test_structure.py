@@ -1,9 +1,17 @@
-"""The package's shape (docs/architecture.md): no import cycles, counting imports inside functions; small modules;
-only `_peft_registry.py` changes PEFT; the README's layout lists every module."""
+"""The package's shape (docs/architecture.md): layers that import only the layers above them, no import cycles
+(counting imports inside functions), no arrow from the core to an application, small modules, only
+`integrations/peft_registry.py` changes PEFT, the README's layout lists every module, and the 0.2.0 module paths
+still import (with a DeprecationWarning)."""
 
 import ast
+import importlib
 import pathlib
 import re
+import subprocess
+import sys
+import warnings
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "peft_softprompt_plus"
@@ -65,11 +73,114 @@ def test_only_the_registry_changes_peft():
     # Assigning to a PEFT attribute or registering a method happens in one visible place.
     pattern = re.compile(r"setattr\(\s*(peft|PeftModel|patch\.owner)|register_peft_method|_extend_str_enum\(PeftType")
     writers = {p.name for p in PACKAGE.rglob("*.py") if pattern.search(p.read_text())}
-    assert writers == {"_peft_registry.py"}
+    assert writers == {"peft_registry.py"}
 
 
 def test_readme_layout_lists_every_module():
     readme = (ROOT / "README.md").read_text()
     layout = readme[readme.index("## Layout") :]
-    missing = [p.name for p in PACKAGE.glob("*.py") if f"`{p.name}`" not in layout]
+    missing = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if f"`{p.name}`" not in layout]
+    missing += [
+        f"{d.name}/" for d in PACKAGE.iterdir() if (d / "__init__.py").exists() and f"`{d.name}/`" not in layout
+    ]
     assert missing == [], f"README's layout misses {missing}"
+
+
+# The layers, top to bottom: a module may import its own layer and any layer listed before it, never one after.
+LAYERS = ["_names", "_site", "_moved", "method", "forward", "gradients", "files", "integrations", "distill", "apps"]
+# Where a lower layer reaches a higher one on purpose, module by module, each with its reason:
+UPWARD = {
+    # The tuner is the object PEFT instantiates: it composes the forward, the attach probe and the files.
+    ("method.tuner", "forward"),
+    ("method.tuner", "gradients"),
+    ("method.tuner", "files"),
+    # A task record names the forward pieces that task uses (its loss, its pooled position).
+    ("method.tasks", "forward"),
+    # A call with gradients disabled is reported through the probe's one warning.
+    ("forward.prompted", "gradients"),
+    # The config's `peft_type` is the PeftType member that PEFT's registration defines.
+    ("method.config", "integrations"),
+}
+
+
+def _layer(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_layers_import_only_the_layers_above_them():
+    modules = _modules()
+    wrong = []
+    for name, path in modules.items():
+        here = _layer(name)
+        if here not in LAYERS:
+            continue
+        for dep in _imports(name, path, modules):
+            there = _layer(dep)
+            allowed = (name.split(".", 1)[1], there) in UPWARD
+            if there in LAYERS and LAYERS.index(there) > LAYERS.index(here) and not allowed:
+                wrong.append(f"{name} -> {dep}")
+    assert wrong == []
+
+
+def test_no_arrow_from_the_core_to_an_application():
+    modules = _modules()
+    wrong = [
+        f"{name} -> {dep}"
+        for name, path in modules.items()
+        if _layer(name) not in ("apps", "__main__")  # `python -m peft_softprompt_plus` is the CLI's launcher
+        for dep in _imports(name, path, modules)
+        if _layer(dep) == "apps"
+    ]
+    assert wrong == []
+
+
+def test_importing_the_package_loads_no_application_and_no_layer():
+    code = (
+        "import sys, peft_softprompt_plus, peft, peft_softprompt_plus as p; p.SoftPromptPlusConfig; "
+        "print(sorted(m for m in sys.modules if m.startswith('peft_softprompt_plus.')))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "apps" not in loaded and "distill" not in loaded and "gradients.callbacks" not in loaded, loaded
+    assert "peft_softprompt_plus.method.config" in loaded  # the check can see a loaded module
+
+
+MOVED_SAMPLE = {  # a 0.2.0 path, and a name it held
+    "peft_softprompt_plus.tuner": "SoftPromptPlusModel",
+    "peft_softprompt_plus.gradient_flow": "check_gradient_flow",
+    "peft_softprompt_plus.tiny": "tiny_gpt2",
+    "peft_softprompt_plus.cli": "main",
+    "peft_softprompt_plus._peft_registry": "PATCHES",
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_SAMPLE))
+def test_a_0_2_module_path_still_imports_with_a_deprecation_warning(old):
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=r"moved to .* until 0\.4\.0"):
+        module = importlib.import_module(old)
+    assert hasattr(module, MOVED_SAMPLE[old])
+    assert module.__name__ != old  # the module itself, under its new name (one copy of its state)
+    assert sys.modules[module.__name__] is module
+
+
+def test_every_moved_path_names_a_module_that_exists():
+    from peft_softprompt_plus._moved import MOVED
+
+    assert len(MOVED) == 36
+    missing = [new for new in MOVED.values() if not (PACKAGE / (new.replace(".", "/") + ".py")).exists()]
+    assert missing == []
+
+
+def test_the_old_distill_module_names_still_resolve():
+    import peft_softprompt_plus.distill as distill
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from peft_softprompt_plus.distill import distill_prompt, main
+    assert distill_prompt.__module__ == "peft_softprompt_plus.distill.run"
+    assert main.__module__ == "peft_softprompt_plus.apps.distill_job"
+    ours = [w for w in caught if "moved to" in str(w.message)]
+    assert [w.category for w in ours] == [DeprecationWarning, DeprecationWarning]
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        getattr(distill, "nothing")  # noqa: B009

@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 from transformers import GPTNeoConfig, GPTNeoForCausalLM, Trainer, TrainingArguments
 
 import peft_softprompt_plus  # noqa: F401  (registers the method)
-from peft_softprompt_plus import SoftPromptPlusConfig, forward_paths
-from peft_softprompt_plus.tiny import tiny_gpt2, tiny_tokenizer
+from peft_softprompt_plus import SoftPromptPlusConfig
+from peft_softprompt_plus.apps.tiny import tiny_gpt2, tiny_tokenizer
+from peft_softprompt_plus.forward import paths as forward_paths
 
 N = 4  # virtual tokens
 LENGTH = 12  # every row is right-padded to this many tokens

@@ -16,7 +16,7 @@ from trl import SFTConfig, SFTTrainer
 
 import peft_softprompt_plus  # noqa: F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig, SoftPromptPlusModel
-from peft_softprompt_plus.tiny import tiny_gpt2
+from peft_softprompt_plus.apps.tiny import tiny_gpt2
 
 N = 4  # virtual tokens
 TEXTS = [

@@ -7,7 +7,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
 from peft_softprompt_plus import GradientFlowError, SoftPromptPlusConfig
-from peft_softprompt_plus.attention import is_installed
+from peft_softprompt_plus.forward.attention import is_installed
 
 
 def snapshot(model):

@@ -26,8 +26,9 @@ from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from peft_softprompt_plus import SoftPromptPlusConfig, attention, distill_prompt, student_inputs
-from peft_softprompt_plus.demo import run_demo
+from peft_softprompt_plus import SoftPromptPlusConfig, distill_prompt, student_inputs
+from peft_softprompt_plus.apps.demo import run_demo
+from peft_softprompt_plus.forward import attention
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_with_trainer.py")
 

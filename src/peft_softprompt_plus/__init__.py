@@ -5,29 +5,30 @@ imported, else the moment it is); then use `get_peft_model`, `PeftModel.from_pre
 `AutoPeftModelForCausalLM` as for any PEFT adapter. The public names below load on first use.
 """
 
+from . import _moved
 from ._site import hook as _hook
 
 __version__ = "0.2.0"
 
 _PUBLIC = {  # name -> the module that defines it
-    "SOFTPROMPT_PLUS": "_peft_registry",
-    "SoftPromptPlusConfig": "config",
-    "SoftPromptPlusModel": "tuner",
-    "AdapterFileError": "loading",
-    "GradientFlowCallback": "callbacks",
-    "FINDING_CODES": "gradient_checks",
-    "Finding": "gradient_report",
-    "GradientFlowError": "gradient_report",
-    "GradientFlowReport": "gradient_report",
-    "GradientFlowWarning": "gradient_report",
-    "check_gradient_flow": "gradient_flow",
-    "FetchError": "fetch",
-    "fetch_checkpoint": "fetch",
-    "DistillReport": "distill_score",
-    "distill_prompt": "distill",
-    "student_inputs": "distill_data",
-    "student_text": "distill_data",
-    "prompt_embeds": "serving",
+    "SOFTPROMPT_PLUS": "integrations.peft_registry",
+    "SoftPromptPlusConfig": "method.config",
+    "SoftPromptPlusModel": "method.tuner",
+    "AdapterFileError": "files.loading",
+    "GradientFlowCallback": "gradients.callbacks",
+    "FINDING_CODES": "gradients.checks",
+    "Finding": "gradients.report",
+    "GradientFlowError": "gradients.report",
+    "GradientFlowReport": "gradients.report",
+    "GradientFlowWarning": "gradients.report",
+    "check_gradient_flow": "gradients.flow",
+    "FetchError": "apps.fetch",
+    "fetch_checkpoint": "apps.fetch",
+    "DistillReport": "distill.score",
+    "distill_prompt": "distill.run",
+    "student_inputs": "distill.data",
+    "student_text": "distill.data",
+    "prompt_embeds": "integrations.serving",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 
@@ -46,3 +47,4 @@ def __dir__() -> list[str]:
 
 
 _hook.install()
+_moved.install()

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from .apps.cli import main
 
 raise SystemExit(main(sys.argv[1:] or ["demo"]))

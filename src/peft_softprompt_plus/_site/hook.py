@@ -1,7 +1,8 @@
 """Registers the method with PEFT the moment PEFT is imported, without importing anything heavy before that.
 
 `install()` puts a finder on `sys.meta_path`: once the `peft` package has run, it imports
-`peft_softprompt_plus._registration`; and before any heavy module of this package runs, it imports `peft` first,
+`peft_softprompt_plus.integrations.registration`; and before any heavy module of this package runs, it imports
+`peft` first,
 so registration never meets a half-imported module of ours. Standard library only: this runs at interpreter
 start-up under `softprompt-plus run` and the opt-in `.pth` hook.
 """
@@ -9,9 +10,13 @@ start-up under `softprompt-plus run` and the opt-in `.pth` hook.
 import sys
 
 PACKAGE = "peft_softprompt_plus"
-REGISTRATION = f"{PACKAGE}._registration"
+REGISTRATION = f"{PACKAGE}.integrations.registration"
 # Modules of ours that run without PEFT (the command line checks its arguments before any heavy import).
-LIGHT = {PACKAGE, f"{PACKAGE}.__main__", f"{PACKAGE}._names", f"{PACKAGE}.cli", f"{PACKAGE}._site", f"{PACKAGE}.fetch"}
+LIGHT = {
+    PACKAGE,
+    *(f"{PACKAGE}.{name}" for name in ("__main__", "_names", "_moved", "_site", "apps", "apps.cli", "apps.fetch")),
+    *(f"{PACKAGE}.{layer}" for layer in ("method", "forward", "gradients", "files", "integrations")),
+}
 
 
 def _import(name: str):

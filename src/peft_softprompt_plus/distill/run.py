@@ -1,0 +1,237 @@
+"""`distill_prompt`: a long system prompt compressed into a few soft tokens of a frozen model (Wingate et al. 2022).
+The teacher is the model reading the hard prompt, the student reads a soft prompt in its place, and the loss is
+KL(teacher || student) on the next-token distributions of the assistant positions, over turns and continuations the
+teacher samples. Only the student's prompt trains, and only the student stays in the returned model."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+from peft import PeftModel, get_peft_model
+
+from ..method.config import SoftPromptPlusConfig
+from . import data as distill_data
+from . import score as distill_score
+from .score import CurvePoint, DistillReport, Figures
+from .teacher import (
+    TEACHER,
+    DistillSamples,
+    attach_teacher,
+    greedy,
+    sample_continuations,
+    sample_turns,
+    split_turns,
+    teacher_gap,
+    unique_turns,
+)
+
+STUDENT = "default"  # PEFT saves the adapter named "default" at the folder's top level: a normal adapter folder
+
+
+def _problems(model, user_turns, held_out_turns, counts: dict, lr, fraction, init, evaluate_at) -> list[str]:
+    found = []
+    if isinstance(model, PeftModel) or not hasattr(model, "get_input_embeddings"):
+        found.append(f"`model` must be a base causal LM (not a PeftModel), got {type(model).__name__}.")
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            found.append(f"`{name}` must be an int >= 1, got {value!r}.")
+    for name, turns in (("user_turns", user_turns), ("held_out_turns", held_out_turns)):
+        if turns is not None and (isinstance(turns, str) or not all(isinstance(t, str) for t in turns)):
+            found.append(f"`{name}` must be a list of str (one user turn each), got {type(turns).__name__}.")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        found.append(f"`lr` must be a number > 0, got {lr!r}.")
+    if init not in ("text", "vocab", "random"):
+        found.append(f"`prompt_init` must be 'text', 'vocab' or 'random', got {init!r}.")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        found.append(f"`held_out_fraction` must be in (0, 1), got {fraction!r}.")
+    steps = counts["steps"] if isinstance(counts["steps"], int) else 0
+    if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= steps for s in evaluate_at):
+        found.append(f"`evaluate_at` must hold steps in [0, `steps`={steps}], got {list(evaluate_at)!r}.")
+    return found
+
+
+def _init_config(tokenizer, prepared: distill_data.Prepared, n: int, seed: int, init: str) -> SoftPromptPlusConfig:
+    """`init="text"` starts from the system prompt's own first N tokens where the tokenizer can be reloaded (else from
+    vocabulary rows); only those N tokens' text is kept in the config, not the whole (maybe private) system prompt."""
+    folder = getattr(tokenizer, "name_or_path", "")
+    if init != "text" or not (folder and os.path.isdir(folder)):
+        init = "vocab" if init == "text" else init
+        return SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=n, prompt_init=init, init_seed=seed)
+    ids = tokenizer(prepared.system_prompt, add_special_tokens=False)["input_ids"]
+    head = tokenizer.decode(ids[:n])
+    exact = tokenizer(head, add_special_tokens=False)["input_ids"][:n] == ids[:n]
+    text = head if exact and len(ids) >= n else prepared.system_prompt
+    return SoftPromptPlusConfig(
+        task_type="CAUSAL_LM",
+        num_virtual_tokens=n,
+        prompt_init="text",
+        prompt_init_text=text,
+        tokenizer_name_or_path=folder,
+    )
+
+
+def _batches(count: int, batch_size: int, rng: random.Random):
+    """Indices of shuffled epochs, `batch_size` at a time, for ever: every row weighs the same."""
+    order: list[int] = []
+    while True:
+        while len(order) < batch_size:
+            epoch = list(range(count))
+            rng.shuffle(epoch)
+            order += epoch
+        yield order[:batch_size]
+        order = order[batch_size:]
+
+
+def _train(model, samples: DistillSamples, steps, batch_size, lr, seed, evaluate_at, evaluate, log) -> tuple:
+    prompt = model.base_model.prompt(STUDENT)
+    # Decay would pull the prompt off the embedding manifold; the optimizer holds the student's prompt alone.
+    opt = torch.optim.AdamW([prompt], lr=lr, weight_decay=0.0)
+    pad, device = _pad_id(model), prompt.device
+    picks, losses, curve = _batches(len(samples.train), batch_size, random.Random(seed)), [], []
+    wall = cpu = 0.0
+    if 0 in evaluate_at:
+        curve.append(CurvePoint(0, 0.0, None, evaluate()))
+    for step in range(1, steps + 1):
+        started, started_cpu = time.perf_counter(), time.process_time()
+        batch = distill_score.scored_batch([samples.train[i] for i in next(picks)], pad, device)
+        teacher = distill_score.teacher_logits(model, batch)  # [B, K, V], no autograd
+        loss = distill_score.token_kl(teacher, distill_score.student_logits(model, batch, STUDENT), batch.scored)
+        loss.mean().backward()  # mean over the batch's scored tokens
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        wall, cpu = wall + time.perf_counter() - started, cpu + time.process_time() - started_cpu
+        losses.append(loss.mean().item())
+        if step % max(1, steps // 10) == 0 or step == steps:
+            log(f"step {step}/{steps}: training KL {sum(losses[-10:]) / len(losses[-10:]):.4f} ({wall:.0f} s)")
+        if step in evaluate_at:
+            curve.append(CurvePoint(step, wall, sum(losses[-10:]) / len(losses[-10:]), evaluate()))
+            log(f"step {step}: held-out KL {curve[-1].held_out.kl:.4f}")
+    return curve, wall, cpu
+
+
+def _pad_id(model) -> int:
+    config = model.get_base_model().config
+    return config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+
+
+def distill_prompt(
+    model,
+    tokenizer,
+    system_prompt: str,
+    *,
+    num_virtual_tokens: int = 16,
+    steps: int = 200,
+    user_turns: Optional[Sequence[str]] = None,
+    held_out_turns: Optional[Sequence[str]] = None,
+    chat: bool = True,
+    batch_size: int = 8,
+    lr: float = 3e-2,
+    samples_per_turn: int = 4,
+    held_out_samples_per_turn: int = 2,
+    max_new_tokens: int = 24,
+    held_out_fraction: float = 0.2,
+    sampled_turns: int = 64,
+    seed: int = 0,
+    prompt_init: str = "text",
+    evaluate_at: Sequence[int] = (),
+    samples: Optional[DistillSamples] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> PeftModel:
+    """Train `num_virtual_tokens` soft tokens that make the frozen `model` behave as it does after `system_prompt`.
+
+    Returns a PeftModel holding the student alone (adapter "default"; `save_pretrained` writes a normal adapter
+    folder) with `model.distill_report` (a `DistillReport`). Its inputs are formatted by `student_inputs`.
+    See docs/distillation.md."""
+    counts = dict(num_virtual_tokens=num_virtual_tokens, steps=steps, batch_size=batch_size)
+    counts.update(samples_per_turn=samples_per_turn, held_out_samples_per_turn=held_out_samples_per_turn)
+    counts.update(max_new_tokens=max_new_tokens, sampled_turns=sampled_turns)
+    problems = _problems(model, user_turns, held_out_turns, counts, lr, held_out_fraction, prompt_init, evaluate_at)
+    if problems:
+        raise ValueError("distill_prompt: " + " ".join(problems))
+    log = progress or (lambda line: None)
+    prepared = distill_data.prepare(tokenizer, system_prompt, chat, num_virtual_tokens)
+    if samples is not None and (samples.mode, samples.prefix_ids) != (prepared.mode, prepared.prefix_ids):
+        raise ValueError("`samples` were drawn for another system prompt or mode; pass samples=None to draw new ones.")
+    turns = unique_turns(user_turns) if user_turns is not None else None
+    if turns is not None:
+        train, held_out = split_turns(turns, held_out_turns, held_out_fraction, seed)
+        if not train or not held_out:
+            raise ValueError(
+                f"`user_turns` leave {len(train)} turn(s) to train on and {len(held_out)} held out; pass at least "
+                "two distinct turns (and held-out turns that are not all of them)."
+            )
+        for turn in train + held_out:  # every turn is checked before the model changes
+            prepared.suffix_ids(tokenizer, turn)
+    config = _init_config(tokenizer, prepared, num_virtual_tokens, seed, prompt_init)
+    model = get_peft_model(model, config)
+    attach_teacher(model, prepared.prefix_ids)
+    model.eval()  # no dropout: the student matches the teacher's own deterministic distribution
+    pad, stops = _pad_id(model), prepared.stop_ids
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        if samples is None:
+            began, began_cpu = time.perf_counter(), time.process_time()
+            samples = _draw(model, tokenizer, prepared, turns, held_out_turns, held_out_fraction, seed, counts, log)
+            samples.seconds = (time.perf_counter() - began, time.process_time() - began_cpu)
+    gap = teacher_gap(model, prepared.prefix_ids, samples.train[0].ids)
+    none = distill_score.none_figures(model, samples, pad, stops, batch_size)
+
+    def evaluate() -> Figures:
+        return distill_score.figures(model, samples, STUDENT, pad, stops, batch_size)
+
+    curve, wall, cpu = _train(model, samples, steps, batch_size, lr, seed, set(evaluate_at), evaluate, log)
+    student = curve[-1].held_out if curve and curve[-1].step == steps else evaluate()
+    init = f"{config.prompt_init}" + (" (the system prompt's first tokens)" if config.prompt_init == "text" else "")
+    report = DistillReport(
+        prepared.mode, len(prepared.prefix_ids), num_virtual_tokens, steps, batch_size, lr, seed, init, gap,
+        student, none, wall, cpu, samples, curve,
+    )  # fmt: skip
+    model.delete_adapter(TEACHER)
+    model.softprompt_plus_metrics = report.metrics()
+    model.distill_report = report
+    for line in report.lines():
+        log(line)
+    return model
+
+
+def _draw(model, tokenizer, prepared, turns, held_out_turns, fraction, seed, counts, log) -> DistillSamples:
+    """The teacher's samples: user turns (given, or written by the teacher), continuations, greedy references."""
+    pad, stops, batch = _pad_id(model), prepared.stop_ids, counts["batch_size"]
+    written = turns is None
+    if written:
+        log(f"sampling {counts['sampled_turns']} user turns from the teacher")
+        turns = sample_turns(model, tokenizer, prepared, counts["sampled_turns"], batch, pad)
+    train, held_out = split_turns(turns, None if written else held_out_turns, fraction, seed)
+    if written:  # sampled turns are checked here; given ones were checked before the model changed
+        train = [t for t in train if _fits(prepared, tokenizer, t)]
+        held_out = [t for t in held_out if _fits(prepared, tokenizer, t)]
+        if not train or not held_out:
+            raise ValueError(
+                f"The teacher's own user turns left {len(train)} to train on and {len(held_out)} held out; pass "
+                "`user_turns` (CLI: --user-file), or a larger `sampled_turns`."
+            )
+    suffixes = [prepared.suffix_ids(tokenizer, t) for t in train]
+    held = [prepared.suffix_ids(tokenizer, t) for t in held_out]
+    log(
+        f"sampling teacher continuations: {counts['samples_per_turn']} for each of {len(train)} training turns, "
+        f"{counts['held_out_samples_per_turn']} for each of {len(held)} held-out turns"
+    )
+    out = DistillSamples(prepared.mode, prepared.prefix_ids, train, held_out, sampled_turns=written)
+    length = counts["max_new_tokens"]
+    out.train = sample_continuations(model, suffixes, counts["samples_per_turn"], length, pad, stops, batch)
+    out.held_out = sample_continuations(model, held, counts["held_out_samples_per_turn"], length, pad, stops, batch)
+    out.held_out_prompts = held
+    out.teacher_greedy = greedy(model, held, TEACHER, pad, stops, batch)
+    return out
+
+
+def _fits(prepared, tokenizer, turn: str) -> bool:
+    try:
+        prepared.suffix_ids(tokenizer, turn)
+    except ValueError:
+        return False
+    return True

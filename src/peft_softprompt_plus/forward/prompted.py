@@ -1,0 +1,116 @@
+"""The prompted `forward` and `generate` of the tuner: route each row to its prompt, check the inputs, pick the path
+(the prompt at the attention, or concatenated), build the inputs and run the task."""
+
+from __future__ import annotations
+
+import torch
+from peft.utils.other import ModulesToSaveWrapper
+
+from ..gradients import flow as gradient_flow
+from ..method.config import ForwardPath
+from ..method.tasks import Task, task_name, task_of
+from . import attention, generation, routing, semantics, validation
+from . import paths as forward_paths
+
+
+def _uses_attention(tuner, route: routing.Route) -> bool:
+    """The attention path unless a config asks for concatenation or the model can't take the prompt there."""
+    paths = {tuner.peft_config[a].forward_path for a in route.adapters}
+    sharded = tuner._attention_path and forward_paths.fsdp2_sharded(tuner.model)  # `fully_shard` runs after attach
+    if ForwardPath.SHARED_KV.value in paths and (sharded or not tuner._attention_path):
+        reason = forward_paths.FSDP2_BLOCKS if sharded else forward_paths.OUTSIDE_REGISTRY
+        raise forward_paths.shared_kv_refused(tuner.model, reason)
+    if sharded:
+        attention.log_once(
+            "FSDP2 `fully_shard` wraps blocks of this model: the soft prompt is concatenated to every row "
+            "(forward_path='concat')."
+        )
+    concat = ForwardPath.CONCAT.value in paths or not tuner._attention_path or sharded
+    routing.check_routable(route, concat)
+    if not concat and not attention.is_installed(tuner.model.config):  # `set_attn_implementation` since attach
+        tuner._own_attention = attention.install(tuner.model)
+    return not concat
+
+
+def _route(tuner, adapter_names, text) -> routing.Route:
+    names = adapter_names if adapter_names is not None else getattr(tuner, "_adapter_names", None)
+    if names is not None and tuner.prompt_bank.disable_adapters:
+        raise ValueError(
+            f"`adapter_names`={names!r} was passed while the adapters are disabled (`disable_adapter()`). Leave "
+            "the context to route rows to prompts, or use '__base__' rows for the base model."
+        )
+    batch = text.shape[0] if isinstance(text, torch.Tensor) and text.dim() else 0
+    return routing.route_rows(names, None if names is not None else tuner._active(), batch, list(tuner.peft_config))
+
+
+def _task_for(tuner, adapters) -> Task:
+    tasks = {task_name(tuner.peft_config[a].task_type) for a in adapters}
+    if len(tasks) > 1:
+        raise ValueError(
+            f"`adapter_names` routes one batch to adapters of different task types {sorted(tasks)}; a batch runs "
+            "one head. Route each task type in its own batch."
+        )
+    return task_of(tasks.pop())
+
+
+def _names_for_heads(tuner, adapter_names) -> list[str]:
+    """Per-row names for the SEQ_CLS head's copies; other `modules_to_save` copies can't follow a mixed batch."""
+    names = list(adapter_names if adapter_names is not None else tuner._adapter_names)
+    head = getattr(tuner.model, "score", None)
+    others = [n for n, m in tuner.model.named_modules() if isinstance(m, ModulesToSaveWrapper) and m is not head]
+    if others:
+        raise ValueError(
+            f"`adapter_names` mixes adapters in one batch, but `modules_to_save` copies {others} run inside the "
+            "model, where prompts and rows share a batch. Route each adapter in its own batch."
+        )
+    return names
+
+
+def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_names, kw: dict):
+    text = input_ids if input_ids is not None else inputs_embeds
+    route = _route(tuner, adapter_names, text)
+    if not route.adapters:
+        return tuner.model(
+            input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, labels=labels, **kw
+        )
+    task = _task_for(tuner, route.adapters)
+    validation.check_forward(tuner.model, input_ids, inputs_embeds, attention_mask, labels, kw, task.token_labels)
+    if tuner.model.training and not torch.is_grad_enabled():
+        gradient_flow.warn_grad_disabled_once(tuner)
+    names = None if route.rows is None else _names_for_heads(tuner, adapter_names)
+    rows = forward_paths.RowPrompts([tuner.prompt_for_use(a) for a in route.adapters], route.rows, names)
+    longest = max(p.shape[0] for p in rows.prompts)
+    semantics.check_fits(longest, text.shape[1], semantics.max_positions(tuner.model.config))
+    if _uses_attention(tuner, route):
+        in_text = task.prompt_in_text(tuner.model, labels, kw)
+        # Inference reuses each adapter's stored prompt pass, as generate does: serving pays for the text alone.
+        reuse = not (in_text or tuner.model.training or torch.is_grad_enabled())
+        passes = _stored_passes(tuner, route, rows) if reuse else None
+        batch = forward_paths.attention_inputs(
+            tuner.model, rows, in_text, input_ids, inputs_embeds, attention_mask, passes
+        )
+    else:
+        if kw.get("token_type_ids") is not None:
+            raise ValueError(
+                "`token_type_ids` needs the prompt at the attention (it types the text's tokens, and a prompt "
+                "position has no type); this model runs forward_path='concat'. Fold the type embeddings into "
+                "`inputs_embeds`, or use forward_path='auto' on a model whose attention can take the prompt."
+            )
+        batch = forward_paths.concat_inputs(tuner.model, rows, input_ids, inputs_embeds, attention_mask)
+    return task.run(tuner.model, batch, labels, kw)
+
+
+def generate(tuner, args: tuple, adapter_names, kwargs: dict):
+    route = _route(tuner, adapter_names, args[0] if args else kwargs.get("input_ids"))
+    if not route.adapters:
+        return tuner.model.generate(*args, **kwargs)
+    _task_for(tuner, route.adapters)
+    if not _uses_attention(tuner, route):
+        return generation.generate_concat(tuner.model, tuner.prompt_for_use(route.adapters[0]), args, kwargs)
+    prompts = [tuner.prompt_for_use(a) for a in route.adapters]
+    prompt_kv, _ = _stored_passes(tuner, route, forward_paths.RowPrompts(prompts, route.rows))
+    return generation.generate(tuner.model, prompt_kv, args, kwargs)
+
+
+def _stored_passes(tuner, route: routing.Route, rows: forward_paths.RowPrompts):
+    return tuner._kv_store.stacked(route.adapters, tuner.model, rows.prompts, route.rows)

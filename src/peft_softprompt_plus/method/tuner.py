@@ -1,0 +1,283 @@
+"""`SoftPromptPlusModel`: the PEFT tuner that owns the prompted forward, `generate`, adapters and (de)serialization.
+
+PEFT calls into it as it would into LoRA; the prompt itself lives in a `SoftPromptBank` beside the untouched base.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Optional
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, delete_adapter, set_adapter, set_requires_grad
+from peft.utils import set_additional_trainable_modules
+from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+from torch import nn
+
+from .._names import BANK, PREFIX, SAVED_KEY, encoder_state
+from ..files import loading, saving
+from ..forward import attention, generation, prompted, routing, validation
+from ..forward import paths as forward_paths
+from ..gradients import flow as gradient_flow
+from . import precision, reparam, tying
+from .config import ForwardPath
+from .prompt_bank import LegacyBankView, SoftPromptBank
+from .prompt_init import initial_prompt
+from .tasks import task_of
+
+
+class SoftPromptPlusModel(BaseTuner):
+    """Tuner for `SoftPromptPlusConfig`. Users reach it through `get_peft_model`; see the package README."""
+
+    prefix: str = PREFIX
+
+    def __init__(self, model: nn.Module, peft_config, adapter_name: str = "default", **kwargs) -> None:
+        if not isinstance(peft_config, dict):  # PeftModel hands {name: config}; inject_adapter_in_model a bare config
+            raise ValueError(
+                "`inject_adapter_in_model` can't attach a SoftPromptPlusConfig: a soft prompt is an input, not a "
+                "layer injected into the model, and it needs the PeftModel that owns forward and generate. Use "
+                "`peft.get_peft_model(model, config)`; the model was left untouched."
+            )
+        super().__init__(model, peft_config, adapter_name, **kwargs)
+
+    tuner_layer_cls = SoftPromptBank
+    target_module_mapping: dict = {}
+
+    # ------------------------------------------------------------------ attach
+
+    def inject_adapter(
+        self,
+        model: nn.Module,
+        adapter_name: str,
+        autocast_adapter_dtype: bool = True,
+        low_cpu_mem_usage: bool = False,
+        state_dict: Optional[dict] = None,
+    ) -> None:
+        config = self.peft_config[adapter_name]
+        task = task_of(config.task_type)
+        validation.check_attach(model, config, task)
+        tying.refuse_tied_training(model, config.modules_to_save)
+        if BANK not in self._modules:
+            # Recorded once, so `unload()` can hand back the base model exactly as it came.
+            self._base_requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
+            self._base_loss_type = getattr(model, "loss_type", None)
+            self.prompt_bank = SoftPromptBank()
+            self._kv_store = generation.PromptKVStore()
+            self._pending_validation: set[str] = set()
+        if not self.prompt_bank.prompts:  # the first adapter, or the first since the last one was deleted
+            self._start_prompting(model, task)
+        trainable = adapter_name in self.active_adapters and not config.inference_mode
+        try:
+            if config.forward_path == ForwardPath.SHARED_KV and not self._attention_path:
+                raise forward_paths.shared_kv_refused(model, forward_paths.OUTSIDE_REGISTRY)
+            embedding = model.get_input_embeddings()
+            values = initial_prompt(config, embedding, model.config)
+            # An inference-mode adapter is a folded table (what save_pretrained writes): it needs no encoder.
+            encoder = None if config.inference_mode else reparam.encoder_for(config, embedding)
+            self.prompt_bank.add(adapter_name, values.to(embedding.weight.device), trainable, encoder)
+            self.prompt_bank._active_adapter = list(self.active_adapters)
+            set_additional_trainable_modules(
+                model=model,
+                peft_config=config,
+                model_config=BaseTuner.get_model_config(self),
+                adapter_name=adapter_name,
+                activate_adapter=adapter_name in self.active_adapters,
+            )
+            # Inactive adapters (add_adapter) are probed too: validate_at_attach activates them for the probe.
+            if not config.inference_mode and config.validate_gradients != "off":
+                self._pending_validation.add(adapter_name)
+                self._validate_pending()
+        except Exception:
+            self._roll_back(model, adapter_name)
+            raise
+
+    def _start_prompting(self, model: nn.Module, task) -> None:
+        """What the first prompt needs from the base: frozen weights, our attention, the task's loss alias."""
+        self._flags_before = {n: p.requires_grad for n, p in model.named_parameters()}
+        task.on_attach(model)
+        model.requires_grad_(False)
+        self._own_attention = attention.install(model)
+        self._attention_path = forward_paths.attention_supported(model)
+        if not self._attention_path:
+            attention.uninstall(model, self._own_attention)
+            attention.log_once(
+                f"{type(model).__name__} computes attention outside transformers' attention registry: its soft "
+                "prompt is concatenated to every row (forward_path='concat')."
+            )
+
+    def _stop_prompting(self, model: nn.Module) -> None:
+        """No prompt left: the model's own attention and loss come back, so it computes the base model exactly."""
+        attention.uninstall(model, self._own_attention)
+        if hasattr(model, "loss_type"):
+            model.loss_type = self._base_loss_type
+        self._kv_store.drop()
+
+    def _roll_back(self, model: nn.Module, adapter_name: str) -> None:
+        """A failed attach leaves the base as it was: no half-added prompt, the `requires_grad` flags it had."""
+        for table in (self.prompt_bank.prompts, self.prompt_bank.encoders):
+            if adapter_name in table:
+                del table[adapter_name]
+        if not self.prompt_bank.prompts:
+            self._stop_prompting(model)
+            for name, param in model.named_parameters():
+                param.requires_grad_(self._flags_before.get(name, param.requires_grad))
+
+    def _abandon_load(self, adapter_name: str) -> None:
+        """A load that can't fit drops the adapter it just added, so the base model is handed back as it came."""
+        self._pending_validation.discard(adapter_name)
+        self._roll_back(self.model, adapter_name)
+        self.peft_config.pop(adapter_name, None)
+
+    def _create_and_replace(self, *args, **kwargs):  # BaseTuner's abstract hook; nothing is replaced
+        raise NotImplementedError("SoftPromptPlusModel injects no layers into the base model.")
+
+    def _prepare_adapter_config(self, peft_config, model_config):
+        return peft_config
+
+    def _validate_pending(self) -> None:
+        """Run the attach-time gradient probe for adapters whose prompt holds real values.
+
+        With `low_cpu_mem_usage=True` PEFT creates the prompt on the meta device and fills it later; PEFT calls
+        `_cast_adapter_dtype` right after loading, which is where such a deferred probe runs.
+        """
+        for name in sorted(self._pending_validation):
+            if self.prompt_bank.prompts[name].is_meta:
+                continue
+            self._pending_validation.discard(name)
+            try:
+                gradient_flow.validate_at_attach(self, name, self.peft_config[name].validate_gradients)
+            except Exception:
+                self._roll_back(self.model, name)
+                raise
+
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        # The bank keeps prompts float32 by itself. A `modules_to_save` copy (the SEQ_CLS `score` head) starts in the
+        # base dtype, and GradScaler refuses fp16 gradients: lift it to float32 as PEFT lifts LoRA weights. PEFT
+        # calls this after attaching and after loading; the probe then sees the dtypes training will see.
+        if autocast_adapter_dtype:
+            for wrapper in self.model.modules():
+                if isinstance(wrapper, ModulesToSaveWrapper) and adapter_name in wrapper.modules_to_save:
+                    precision.lift_to_float32(wrapper.modules_to_save[adapter_name])
+        self._validate_pending()
+
+    # ------------------------------------------------------------------ adapters
+
+    def _check_new_adapter_config(self, config) -> None:
+        return None
+
+    def set_adapter(self, adapter_name, inference_mode: bool = False) -> None:
+        set_adapter(self, adapter_name, inference_mode=inference_mode, layer_cls=SoftPromptBank)
+        self.active_adapter = adapter_name
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        routing.check_adapter_name(adapter_name, list(self.peft_config), "delete_adapter")
+        del self.peft_config[adapter_name]
+        self._kv_store.drop(adapter_name)
+        new_active = delete_adapter(self, adapter_name=adapter_name, prefix=self.prefix, layer_cls=SoftPromptBank)
+        self.active_adapter = new_active or []
+        if not self.prompt_bank.prompts:  # PEFT's convention: without adapters the model is the base model
+            self._stop_prompting(self.model)
+
+    def set_requires_grad(self, adapter_names, requires_grad: bool = True) -> None:
+        set_requires_grad(self, adapter_names=adapter_names, requires_grad=requires_grad)
+
+    def _enable_adapter_layers(self, enabled: bool = True) -> None:
+        # A disabled adapter hands the model its own attention setting back, as `unload()` does.
+        if not enabled:
+            attention.uninstall(self.model, self._own_attention)
+        elif self._attention_path and self.prompt_bank.prompts:
+            self._own_attention = attention.install(self.model)
+        for module in self.modules():
+            if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+                module.enable_adapters(enabled)
+
+    def _check_merge_allowed(self):
+        self.prompt_bank.merge()
+
+    def merge_adapter(self, *args, **kwargs) -> None:
+        self.prompt_bank.merge()
+
+    def unload(self) -> nn.Module:
+        """Return the base model exactly as it came: same objects, same weights, same `requires_grad` flags."""
+        model = self._unload_and_optionally_merge(merge=False)
+        self._stop_prompting(model)
+        for name, param in model.named_parameters():
+            param.requires_grad_(self._base_requires_grad.get(name, param.requires_grad))
+        return model
+
+    # ------------------------------------------------------------------ forward
+
+    def _active(self) -> Optional[str]:
+        if self.prompt_bank.disable_adapters or not self.active_adapters:
+            return None
+        if len(self.active_adapters) > 1:
+            raise ValueError(
+                f"Only one soft prompt can be active at a time, got active adapters {self.active_adapters}. "
+                "Call `model.set_adapter(name)`."
+            )
+        return self.active_adapters[0]
+
+    def prompt(self, adapter_name: Optional[str] = None) -> nn.Parameter:
+        """The float32 `[N, D]` prompt of `adapter_name` (default: the active adapter): the leaf to optimize (with
+        `reparameterization='residual'`, the raw prompt its encoder reads; the encoder trains too)."""
+        name = adapter_name if adapter_name is not None else next(iter(self.active_adapters), None)
+        if not isinstance(name, str) or name not in self.prompt_bank.prompts:
+            raise routing.unknown_adapter(name, list(self.prompt_bank.prompts), "prompt")
+        return self.prompt_bank.prompts[name]
+
+    @property
+    def softprompt_plus(self) -> LegacyBankView:
+        """Deprecated since 0.2 and removed in 0.4.0: `softprompt_plus.prompt[name]` is `prompt(name)`."""
+        warnings.warn(
+            "`model.base_model.softprompt_plus.prompt[name]` is deprecated and will be removed in 0.4.0; use "
+            "`model.base_model.prompt(name)`, the same float32 Parameter.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return LegacyBankView(self.prompt_bank)
+
+    def prompt_for_use(self, adapter_name: str) -> torch.Tensor:
+        """The prompt the model reads (the leaf, or its encoder's output), cast to the embedding's dtype/device at
+        the point of use: its gradient stays float32."""
+        weight = self.model.get_input_embeddings().weight
+        return self.prompt_bank.values(adapter_name).to(device=weight.device, dtype=weight.dtype)  # [N, D]
+
+    @contextlib.contextmanager
+    def _enable_peft_forward_hooks(self, *args, **kwargs):
+        # PeftModel hands `adapter_names` to this hook and strips it from what reaches `forward`/`generate`.
+        previous, self._adapter_names = getattr(self, "_adapter_names", None), kwargs.get("adapter_names")
+        try:
+            yield
+        finally:
+            self._adapter_names = previous
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, adapter_names=None, **kw):
+        return prompted.forward(self, input_ids, attention_mask, inputs_embeds, labels, adapter_names, kw)
+
+    def generate(self, *args, adapter_names=None, **kwargs):
+        return prompted.generate(self, args, adapter_names, kwargs)
+
+    # ------------------------------------------------------------------ (de)serialization hooks
+
+    @classmethod
+    def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
+        suffix = f"{BANK}.softprompt_plus_prompt.{adapter_name}"
+        found = next((v for k, v in state_dict.items() if k.endswith(suffix)), None)
+        if found is None:
+            return {}
+        prompt = saving.full_prompt(found, config.num_virtual_tokens, adapter_name)
+        encoder = encoder_state(state_dict, adapter_name)
+        if encoder:  # the adapter is the folded table: loaders and serving engines see a plain prompt
+            prompt = reparam.fold(prompt, encoder, config.residual_layer_norm)
+        return {SAVED_KEY: prompt}
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
+        bank_name = next(n for n, m in model.named_modules() if isinstance(m, SoftPromptBank))
+        tuner = next(m for m in model.modules() if isinstance(m, SoftPromptPlusModel))
+        try:
+            return loading.remapped_for_load(tuner, bank_name, adapter_name, state_dict)
+        except loading.AdapterFileError:
+            tuner._abandon_load(adapter_name)
+            raise

@@ -1,0 +1,248 @@
+"""Docs that run: every Python and shell block in README.md and docs/*.md runs here, page by page in one namespace
+(a page reads top to bottom, like a session), or carries a visible marker saying why it can't run in this suite.
+
+The line right above a block may say:
+- `*Not run by the tests: <reason>.*`: it needs something this suite doesn't have (vLLM, SGLang, the real Hub, a
+  GPU, processes of a distributed job, minutes of training on the real checkpoint); the reason is shown to readers;
+- `*Signature, checked against the code.*`: every call in it names the real function's parameters, in order,
+  with the defaults it shows.
+
+Blocks run offline in a scratch folder that holds a tiny GPT-2 with its tokenizer under the names the docs use for
+a base checkpoint (`gpt2`, `my-base`); `SETUP` gives each page the objects its prose says the reader already has
+(`gpt2`, `ids`, `mask`, `model`, ...).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+import re
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+NOT_RUN = re.compile(r"^\*Not run by the tests: (.+)\.\*$")
+SIGNATURE = "*Signature, checked against the code.*"
+RUNNABLE = {"python", "bash"}
+
+
+@dataclass
+class Block:
+    page: str
+    line: int
+    lang: str
+    code: str
+    marker: str  # "" (runs), "not run: <reason>", or "signature"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def blocks(page: pathlib.Path) -> list[Block]:
+    text = page.read_text()
+    found = []
+    for match in FENCE.finditer(text):
+        lang, code = match.groups()
+        if lang not in RUNNABLE:
+            continue
+        above = text[: match.start()].rstrip("\n").splitlines()
+        last = above[-1].strip() if above else ""
+        not_run = NOT_RUN.match(last)
+        marker = f"not run: {not_run[1]}" if not_run else "signature" if last == SIGNATURE else ""
+        line = text[: match.start()].count("\n") + 2  # the block's first line of code
+        found.append(Block(str(page.relative_to(ROOT)), line, lang, code, marker))
+    return found
+
+
+ALL = [b for page in PAGES for b in blocks(page)]
+
+
+# ------------------------------------------------------------------------------------------------ the reader's objects
+
+
+def _tiny_batch(tokenizer) -> dict:
+    tokenizer.padding_side = "left"
+    return tokenizer(["the cat sat on the mat", "a dog", "red blue", "the bird"], return_tensors="pt", padding=True)
+
+
+def _base_names(ns: dict) -> None:
+    """What the README's and many pages' prose take as given: a GPT-2 (`gpt2`, `gpt2_again`, `base`), a tokenizer
+    and a left-padded batch of 4 rows (`ids`, `mask`, `labels`, `batch`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained("gpt2")
+    encoded = _tiny_batch(tokenizer)
+    ns.update(
+        gpt2=AutoModelForCausalLM.from_pretrained("gpt2"),
+        gpt2_again=AutoModelForCausalLM.from_pretrained("gpt2"),
+        base=AutoModelForCausalLM.from_pretrained("gpt2"),
+        tokenizer=tokenizer,
+        ids=encoded["input_ids"],
+        mask=encoded["attention_mask"],
+        labels=encoded["input_ids"].masked_fill(encoded["attention_mask"] == 0, -100),
+        batch={**encoded, "labels": encoded["input_ids"].masked_fill(encoded["attention_mask"] == 0, -100)},
+    )
+
+
+def _peft_model(ns: dict) -> None:
+    from peft import get_peft_model
+
+    from peft_softprompt_plus import SoftPromptPlusConfig
+
+    _base_names(ns)
+    ns["model"] = get_peft_model(ns.pop("base"), SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    ns["optimizer"] = torch.optim.AdamW([p for p in ns["model"].parameters() if p.requires_grad], lr=3e-2)
+
+
+def _trainer_data(ns: dict) -> None:
+    from transformers import TrainingArguments
+
+    _peft_model(ns)
+    rows = [{"input_ids": ids, "labels": ids} for ids in ns["tokenizer"](["the cat sat", "a dog ran"])["input_ids"]]
+    from datasets import Dataset
+
+    ns.update(train=rows, val=rows, data=rows, args=TrainingArguments(output_dir="out", max_steps=2, report_to=[]))
+    ns["dataset"] = Dataset.from_dict({"text": ["the cat sat on the mat", "a dog ran"]})
+
+
+def _three_adapters(ns: dict) -> None:
+    from peft import get_peft_model
+
+    from peft_softprompt_plus import SoftPromptPlusConfig
+
+    _base_names(ns)
+    from transformers import AutoModelForCausalLM
+
+    for seed, name in enumerate(["summarize", "translate", "classify"]):
+        torch.manual_seed(seed)
+        peft = get_peft_model(AutoModelForCausalLM.from_pretrained("gpt2"), SoftPromptPlusConfig(num_virtual_tokens=4))
+        peft.save_pretrained(f"adapters/{name}")
+
+
+def _saved_prompt(ns: dict) -> None:
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from peft_softprompt_plus import SoftPromptPlusConfig
+
+    base = AutoModelForCausalLM.from_pretrained("my-base")
+    get_peft_model(base, SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)).save_pretrained(
+        "my-prompt"
+    )
+
+
+def _chat_model(ns: dict) -> None:
+    _peft_model(ns)
+    ns["tokenizer"].chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+
+
+SETUP = {  # page -> what its prose says the reader already has
+    "README.md": _base_names,
+    "docs/api.md": _chat_model,
+    "docs/gradient-flow.md": _trainer_data,
+    "docs/integrations.md": _trainer_data,
+    "docs/many-tasks.md": _three_adapters,
+    "docs/serving.md": _saved_prompt,
+}
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """A folder holding a tiny GPT-2 + tokenizer as `gpt2` and `my-base`, the names the docs load."""
+    from peft_softprompt_plus.apps.tiny import save_tiny
+
+    folder = tmp_path_factory.mktemp("docs")
+    for name in ("gpt2", "my-base"):
+        save_tiny(str(folder / name))
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------------------- tests
+
+
+def test_every_block_runs_or_says_why_not():
+    unmarked_shell = [b.where for b in ALL if b.lang == "bash" and not b.marker]
+    assert unmarked_shell == [], "a shell block runs here only through a test that names it; mark it or add one"
+    assert len([b for b in ALL if not b.marker]) >= 12  # the pages' own examples, not only markers
+
+
+def test_the_readme_holds_exactly_two_set_up_commands_and_ci_runs_the_second():
+    readme = [b for b in ALL if b.page == "README.md" and b.lang == "bash"]
+    assert [b.code.strip().split(" && ")[-1] for b in readme] == [
+        "softprompt-plus demo",
+        'python -m pytest -q -m "slow or not slow"',
+    ]
+    assert "README.md" in (ROOT / ".ci" / "run").read_text()  # .ci/run takes its command from the README
+
+
+def _signatures(code: str):
+    """`(name, ast.arguments)` for each `[targets =] name(parameters) [-> result]` in a signature block."""
+    code = "\n".join(line.split("#", 1)[0] for line in code.splitlines() if not line.startswith(("from ", "import ")))
+    for match in re.finditer(r"^(?:[\w, ]+=\s*)?(\w+)\(", code, re.M):
+        depth, end = 0, match.end() - 1
+        for end in range(match.end() - 1, len(code)):
+            depth += {"(": 1, ")": -1}.get(code[end], 0)
+            if depth == 0:
+                break
+        definition = ast.parse(f"def {match[1]}{code[match.end() - 1 : end + 1]}: pass").body[0]
+        yield match[1], definition.args
+
+
+def _public(name: str):
+    import peft_softprompt_plus
+    from peft_softprompt_plus.files import hub, inspect_adapter
+
+    for module in (peft_softprompt_plus, hub, inspect_adapter):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AssertionError(f"{name} is not a public name")
+
+
+@pytest.mark.parametrize("block", [b for b in ALL if b.marker == "signature"], ids=lambda b: b.where)
+def test_a_documented_signature_is_the_code_s(block):
+    found = list(_signatures(block.code))
+    assert found, f"{block.where}: no signature found"
+    for name, args in found:
+        real = [p for p in inspect.signature(_public(name)).parameters.values() if p.name != "self"]
+        positional = [a.arg for a in args.posonlyargs + args.args]
+        keyword_only = [a.arg for a in args.kwonlyargs]
+        kinds = (inspect.Parameter.KEYWORD_ONLY,)
+        assert positional == [p.name for p in real if p.kind not in kinds], f"{block.where}: {name}'s parameters"
+        assert keyword_only == [p.name for p in real if p.kind in kinds], f"{block.where}: {name}'s keyword-only ones"
+        shown = dict(zip(positional[len(positional) - len(args.defaults) :], args.defaults, strict=True))
+        shown.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None})
+        defaults = {p.name: p.default for p in real if p.default is not inspect.Parameter.empty}
+        assert {k: ast.literal_eval(v) for k, v in shown.items()} == defaults, f"{block.where}: {name}'s defaults"
+
+
+RUN_PAGES = sorted({b.page for b in ALL if b.lang == "python" and not b.marker})
+
+
+@pytest.mark.parametrize("page", RUN_PAGES)
+def test_a_page_s_python_blocks_run_in_order(page, scratch, monkeypatch):
+    monkeypatch.chdir(scratch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    namespace: dict = {"__name__": "__docs__"}
+    SETUP.get(page, lambda ns: None)(namespace)
+    for block in (b for b in ALL if b.page == page and b.lang == "python" and not b.marker):
+        code = compile(block.code, block.where, "exec")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # third-party import noise; ours is tested apart
+            try:
+                exec(code, namespace)
+            except Exception as err:  # noqa: BLE001 - name the block that failed
+                raise AssertionError(f"{block.where} failed: {type(err).__name__}: {err}") from err
+
+
+def test_setup_is_given_only_to_pages_whose_blocks_run():
+    assert set(SETUP) <= set(RUN_PAGES)
