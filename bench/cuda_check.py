@@ -41,7 +41,7 @@ def _no_cuda_message() -> str:
     return (
         f"CUDA is not available: torch {torch.__version__} (built for CUDA {torch.version.cuda}), "
         f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}. This script checks the GPU paths; on a "
-        "CPU-only machine run `pytest tests/test_precision.py` instead, or pass `--device cpu` for a smoke run."
+        "CPU-only machine run `pytest tests/method/test_precision.py` instead, or pass `--device cpu` for a smoke run."
     )
 
 
@@ -153,8 +153,8 @@ def main(argv: Optional[list] = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print(_no_cuda_message(), file=sys.stderr)
         raise SystemExit(2)
-    # Imported once CUDA is known to be there: `tests/test_precision.py` loads this file by path, without bench/ on
-    # sys.path, to check the exit above.
+    # Imported once CUDA is known to be there: `tests/method/test_precision.py` loads this file by path, without
+    # bench/ on sys.path, to check the exit above.
     import _common as c
 
     c.quiet(all_warnings=False)

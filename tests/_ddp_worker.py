@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py: trains a soft prompt with the HF `Trainer` under `torchrun` or
+"""Worker for tests/integrations/test_distributed.py: trains a soft prompt with the HF `Trainer` under `torchrun` or
 `accelerate launch` (gloo, CPU) and writes what this rank ended with to `<out>/rank<R>.pt`."""
 
 import argparse

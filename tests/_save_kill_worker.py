@@ -1,5 +1,5 @@
 """Kills `save_pretrained` at every filesystem step, and at random instants on a slow filesystem, then loads what is
-on disk. Run by tests/test_saving.py as `python _save_kill_worker.py BASE_DIR WORK_DIR OUT_JSON`.
+on disk. Run by tests/files/test_saving.py as `python _save_kill_worker.py BASE_DIR WORK_DIR OUT_JSON`.
 
 Imports happen once; each save runs in a forked child that SIGKILLs itself (or is killed) mid-way, so a kill point
 costs a fork rather than an interpreter start.

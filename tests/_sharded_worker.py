@@ -1,7 +1,7 @@
-"""Worker for tests/test_sharded.py: trains a soft prompt under sharded data parallelism on the CPU (gloo, 2 processes
-under `torchrun`) with a plain torch loop, then saves it twice: `save_pretrained` straight on the sharded model (which
-must refuse to write a shard) and the gather recipe the refusal gives. Writes what this rank saw and ended with to
-`<out>/rank<R>.pt`.
+"""Worker for tests/integrations/test_sharded.py: trains a soft prompt under sharded data parallelism on the CPU
+(gloo, 2 processes under `torchrun`) with a plain torch loop, then saves it twice: `save_pretrained` straight on the
+sharded model (which must refuse to write a shard) and the gather recipe the refusal gives. Writes what this rank saw
+and ended with to `<out>/rank<R>.pt`.
 
 Modes: `fsdp2` (`fully_shard` per GPT-2 block and at the root of the PeftModel), `fsdp1` (`FullyShardedDataParallel`,
 `use_orig_params=True`, one unit per block and the root), `zero2` / `zero3` (DeepSpeed, torch AdamW as the client

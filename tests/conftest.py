@@ -1,6 +1,7 @@
 """Shared fixtures: tiny seeded GPT-2 models and a local tokenizer; nothing touches the network."""
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -13,6 +14,13 @@ from peft import get_peft_model  # noqa: E402
 import peft_softprompt_plus  # noqa: E402,F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig  # noqa: E402
 from peft_softprompt_plus.apps.tiny import save_tiny, tiny_gpt2, tiny_tokenizer  # noqa: E402
+
+# The tests mirror the package's layers, one folder each; a test may reuse another's reference by module name
+# (`from test_families import reference_logits`) whichever folders a run collects.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _layer in sorted(os.listdir(_HERE)):
+    if os.path.isdir(os.path.join(_HERE, _layer)) and not _layer.startswith(("_", ".")):
+        sys.path.append(os.path.join(_HERE, _layer))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -246,3 +246,11 @@ def test_a_page_s_python_blocks_run_in_order(page, scratch, monkeypatch):
 
 def test_setup_is_given_only_to_pages_whose_blocks_run():
     assert set(SETUP) <= set(RUN_PAGES)
+
+
+def test_every_test_file_the_docs_name_exists():
+    named = {
+        m for page in [*PAGES, ROOT / "bench" / "README.md"] for m in re.findall(r"tests/[\w/]+\.py", page.read_text())
+    }
+    named.discard("tests/test_decoder_models.py")  # PEFT's own test file, which tests/run_peft_generic.py runs
+    assert named and sorted(n for n in named if not (ROOT / n).exists()) == []

@@ -184,3 +184,57 @@ def test_the_old_distill_module_names_still_resolve():
     assert [w.category for w in ours] == [DeprecationWarning, DeprecationWarning]
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         getattr(distill, "nothing")  # noqa: B009
+
+
+def test_the_tests_mirror_the_layers():
+    folders = {d.name for d in (ROOT / "tests").iterdir() if d.is_dir() and not d.name.startswith((".", "_"))}
+    layers = {d.name for d in PACKAGE.iterdir() if (d / "__init__.py").exists() and not d.name.startswith("_")}
+    assert folders == layers
+
+
+# Private attributes a module may write on an object that isn't its own, each with its reason.
+FOREIGN_WRITES = {
+    ("method/tuner.py", "self.prompt_bank._active_adapter"),  # PEFT's BaseTunerLayer field, as PEFT's tuners set it
+    ("method/precision.py", "module._softprompt_plus_casts_input"),  # our mark on a base module, namespaced
+    ("integrations/peft_registry.py", "member._name_"),  # the PeftType member: the one place that changes PEFT
+    ("integrations/peft_registry.py", "member._value_"),
+    ("integrations/peft_registry.py", "enum_cls._member_map_"),
+    ("integrations/peft_registry.py", "enum_cls._value2member_map_"),
+    ("integrations/peft_registry.py", "replacement._softprompt_plus_original"),
+    ("forward/attention.py", "model.config._attn_implementation"),  # only where `set_attn_implementation` is absent
+}
+
+
+def test_no_module_writes_another_s_private_attributes():
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in (t for t in targets if t is not None):
+                for sub in ast.walk(target):
+                    if not isinstance(sub, ast.Attribute) or not sub.attr.startswith("_") or sub.attr.endswith("__"):
+                        continue
+                    if isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls"):
+                        continue
+                    found.add((str(path.relative_to(PACKAGE)), ast.unparse(sub)))
+    assert found <= FOREIGN_WRITES, sorted(found - FOREIGN_WRITES)
+    assert not any("tuner._" in write for _, write in found)  # the forward's state has one owner
+
+
+def test_importing_registers_the_method_and_installs_nothing_until_attach():
+    code = (
+        "import peft_softprompt_plus, peft\n"
+        "from transformers.loss.loss_utils import LOSS_MAPPING\n"
+        "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as KERNELS\n"
+        "from peft_softprompt_plus import SoftPromptPlusConfig\n"
+        "from peft_softprompt_plus.apps.tiny import tiny_gpt2\n"
+        "seen = lambda: ('softprompt_plus_sdpa' in KERNELS.valid_keys(), 'ForSoftPromptedCausalLM' in LOSS_MAPPING)\n"
+        "print('SOFTPROMPT_PLUS' in peft.PeftType.__members__, *seen())\n"
+        "model = peft.get_peft_model(tiny_gpt2(), SoftPromptPlusConfig(num_virtual_tokens=3))\n"
+        "print(model.base_model.model.config._attn_implementation, *seen())\n"
+        "base = model.unload()\n"
+        "print(base.config._attn_implementation, base.loss_type)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.split("\n")
+    assert lines[:3] == ["True False False", "softprompt_plus_sdpa True True", "sdpa None"]

@@ -94,7 +94,7 @@ def save_tiny(path: str, seed: int = 0, **overrides) -> str:
     return path
 
 
-# One tiny, dropout-free config per decoder family the library is tested on (`tests/test_families.py`). Sliding
+# One tiny, dropout-free config per decoder family the library is tested on (`tests/forward/test_families.py`). Sliding
 # windows (8) are shorter than the test sequences, so a prompt can fall out of a layer's window.
 _IDS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=1)
 _LLAMA_LIKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, **_IDS)

@@ -4,17 +4,16 @@ Checked before PEFT touches the base model, so a failed load hands the model bac
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
 from .._names import BANK, CONFIG_FILE, ENCODER_FILE, METHOD, RAW_KEY, SAVED_KEY, WEIGHT_FILES
+from ..forward.state import BaseSettings
 
 logger = logging.getLogger(__name__)
 
@@ -128,22 +127,16 @@ def check_folder(folder: str, base: Optional[nn.Module]) -> None:
         raise AdapterFileError(problem)
 
 
-@dataclass
 class BaseState:
-    """What attaching changes on a base model, to hand it back unchanged after a load that failed half-way."""
+    """What attaching changes on a base model, to hand it back unchanged after a load that failed half-way: the
+    settings prompting changes (`BaseSettings`), and any `modules_to_save` copies PEFT put in."""
 
-    requires_grad: dict
-    attention: Optional[str]
-    loss_type: Optional[str]
+    def __init__(self, model: nn.Module):
+        self.settings = BaseSettings.capture(model)
 
     @classmethod
     def capture(cls, model: nn.Module) -> "BaseState":
-        config = getattr(model, "config", None)
-        return cls(
-            {name: p.requires_grad for name, p in model.named_parameters()},
-            getattr(config, "_attn_implementation", None),
-            getattr(model, "loss_type", None),
-        )
+        return cls(model)
 
     def restore(self, model: nn.Module) -> None:
         from peft.utils.other import AuxiliaryTrainingWrapper
@@ -152,22 +145,13 @@ class BaseState:
             if isinstance(module, AuxiliaryTrainingWrapper):  # `modules_to_save` copies: put the original back
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, module.original_module)
-        for name, param in model.named_parameters():
-            param.requires_grad_(self.requires_grad.get(name, param.requires_grad))
-        if getattr(model, "config", None) is not None and self.attention is not None:
-            model.config._attn_implementation = self.attention
-        if hasattr(model, "loss_type"):
-            model.loss_type = self.loss_type
+        self.settings.restore(model)
 
 
-@contextlib.contextmanager
 def loading_from(tuner, model_id, kwargs: dict):
     """While PEFT loads an adapter from `model_id`, `resume_state` can find the file saved beside it."""
-    tuner._encoder_source = (os.fspath(model_id), kwargs.get("subfolder"), kwargs.get("revision"), kwargs.get("token"))
-    try:
-        yield
-    finally:
-        tuner._encoder_source = None
+    source = (os.fspath(model_id), kwargs.get("subfolder"), kwargs.get("revision"), kwargs.get("token"))
+    return tuner.forward_state.loading_from(source)
 
 
 def _source_file(source) -> Optional[str]:
@@ -214,7 +198,7 @@ def resume_state(tuner, bank_name: str, adapter_name: str) -> dict[str, torch.Te
     bank = getattr(tuner, BANK)
     if adapter_name not in bank.encoders:
         return {}
-    path = _source_file(getattr(tuner, "_encoder_source", None))
+    path = _source_file(tuner.forward_state.encoder_source)
     if path is None:
         logger.warning(
             "Adapter %r was trained with reparameterization='residual', but its folder has no %s (only the "

@@ -218,13 +218,14 @@ def _split_attention(prompt_kv: PromptKV, query, prompt: tuple, text: tuple, mas
     return out.reshape(batch, heads, q, dim).transpose(1, 2), None  # [B, q, H, hd]
 
 
-def _register() -> None:
+@functools.lru_cache(maxsize=None)
+def register() -> None:
+    """Our kernels under their names in transformers' public registries: done at the first attach, not at import.
+    They stay registered afterwards (the registries have no public removal); only a model whose config names them
+    runs them, and `uninstall` names the model's own kernel again."""
     for kernel_name, (_, _, mask_fn) in _KERNELS.items():
         AttentionInterface.register(PREFIX + kernel_name, _attention_function(kernel_name))
         AttentionMaskInterface.register(PREFIX + kernel_name, mask_fn)
-
-
-_register()
 
 
 # ---------------------------------------------------------------------------------------------- model switch
@@ -242,17 +243,31 @@ def is_installed(config) -> bool:
 
 def install(model: nn.Module) -> str:
     """Point `model`'s attention at ours; returns the implementation to restore with `uninstall`."""
+    register()
     own = model.config._attn_implementation
     kernel = _kernel_for(own)
     if kernel != own:
         log_once(f"The soft prompt enters attention through sdpa; the model's `{own}` comes back on unload().")
-    model.config._attn_implementation = PREFIX + kernel
+    _switch(model, PREFIX + kernel)
     return own
 
 
 def uninstall(model: nn.Module, own: Optional[str]) -> None:
-    if is_installed(model.config):
-        model.config._attn_implementation = own
+    if not is_installed(model.config):
+        return
+    if own is None:  # a config that named no implementation: leave it naming none again
+        model.config._attn_implementation = None
+    else:
+        _switch(model, own)
+
+
+def _switch(model: nn.Module, implementation: str) -> None:
+    # transformers' public switch (it also reaches the sub-configs of composite models); a bare module without it
+    # (never a transformers model) gets the config field written.
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(implementation)
+    else:
+        model.config._attn_implementation = implementation
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,8 +16,9 @@ from . import paths as forward_paths
 def _uses_attention(tuner, route: routing.Route) -> bool:
     """The attention path unless a config asks for concatenation or the model can't take the prompt there."""
     paths = {tuner.peft_config[a].forward_path for a in route.adapters}
-    sharded = tuner._attention_path and forward_paths.fsdp2_sharded(tuner.model)  # `fully_shard` runs after attach
-    if ForwardPath.SHARED_KV.value in paths and (sharded or not tuner._attention_path):
+    state = tuner.forward_state
+    sharded = state.attention_path and forward_paths.fsdp2_sharded(tuner.model)  # `fully_shard` runs after attach
+    if ForwardPath.SHARED_KV.value in paths and (sharded or not state.attention_path):
         reason = forward_paths.FSDP2_BLOCKS if sharded else forward_paths.OUTSIDE_REGISTRY
         raise forward_paths.shared_kv_refused(tuner.model, reason)
     if sharded:
@@ -25,15 +26,15 @@ def _uses_attention(tuner, route: routing.Route) -> bool:
             "FSDP2 `fully_shard` wraps blocks of this model: the soft prompt is concatenated to every row "
             "(forward_path='concat')."
         )
-    concat = ForwardPath.CONCAT.value in paths or not tuner._attention_path or sharded
+    concat = ForwardPath.CONCAT.value in paths or not state.attention_path or sharded
     routing.check_routable(route, concat)
-    if not concat and not attention.is_installed(tuner.model.config):  # `set_attn_implementation` since attach
-        tuner._own_attention = attention.install(tuner.model)
+    if not concat:
+        state.ensure_attention(tuner.model)
     return not concat
 
 
 def _route(tuner, adapter_names, text) -> routing.Route:
-    names = adapter_names if adapter_names is not None else getattr(tuner, "_adapter_names", None)
+    names = adapter_names if adapter_names is not None else tuner.forward_state.adapter_names
     if names is not None and tuner.prompt_bank.disable_adapters:
         raise ValueError(
             f"`adapter_names`={names!r} was passed while the adapters are disabled (`disable_adapter()`). Leave "
@@ -55,7 +56,7 @@ def _task_for(tuner, adapters) -> Task:
 
 def _names_for_heads(tuner, adapter_names) -> list[str]:
     """Per-row names for the SEQ_CLS head's copies; other `modules_to_save` copies can't follow a mixed batch."""
-    names = list(adapter_names if adapter_names is not None else tuner._adapter_names)
+    names = list(adapter_names if adapter_names is not None else tuner.forward_state.adapter_names)
     head = getattr(tuner.model, "score", None)
     others = [n for n, m in tuner.model.named_modules() if isinstance(m, ModulesToSaveWrapper) and m is not head]
     if others:
@@ -75,8 +76,8 @@ def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_nam
         )
     task = _task_for(tuner, route.adapters)
     validation.check_forward(tuner.model, input_ids, inputs_embeds, attention_mask, labels, kw, task.token_labels)
-    if tuner.model.training and not torch.is_grad_enabled():
-        gradient_flow.warn_grad_disabled_once(tuner)
+    if tuner.model.training and not torch.is_grad_enabled() and tuner.forward_state.take_grad_warning():
+        gradient_flow.warn_grad_disabled(tuner)
     names = None if route.rows is None else _names_for_heads(tuner, adapter_names)
     rows = forward_paths.RowPrompts([tuner.prompt_for_use(a) for a in route.adapters], route.rows, names)
     longest = max(p.shape[0] for p in rows.prompts)
@@ -113,4 +114,4 @@ def generate(tuner, args: tuple, adapter_names, kwargs: dict):
 
 
 def _stored_passes(tuner, route: routing.Route, rows: forward_paths.RowPrompts):
-    return tuner._kv_store.stacked(route.adapters, tuner.model, rows.prompts, route.rows)
+    return tuner.forward_state.kv_store.stacked(route.adapters, tuner.model, rows.prompts, route.rows)

@@ -139,18 +139,15 @@ def _cuda_devices(model: nn.Module) -> list[int]:
 def _undisturbed(model: nn.Module, grad_context):
     """Train mode for the path training uses; afterwards RNG, every module's mode and the warn-once flag as found."""
     modes = [(m, m.training) for m in model.modules()]
-    warned = [(t, getattr(t, "_warned_grad_disabled", False)) for t in tuners_of(model)]
-    with torch.random.fork_rng(devices=_cuda_devices(model)), grad_context:
-        for tuner, _ in warned:
-            tuner._warned_grad_disabled = True  # the report names `grad_disabled`; keep the one warning for later
+    with contextlib.ExitStack() as held, torch.random.fork_rng(devices=_cuda_devices(model)), grad_context:
+        for tuner in tuners_of(model):  # the report names `grad_disabled`; keep the one warning for later
+            held.enter_context(tuner.forward_state.grad_warning_held())
         model.train()
         try:
             yield
         finally:
             for module, mode in modes:
                 module.training = mode
-            for tuner, flag in warned:
-                tuner._warned_grad_disabled = flag
 
 
 # ---------------------------------------------------------------------------------------------- entry points
@@ -257,11 +254,9 @@ def validate_at_attach(tuner, adapter_name: str, mode: str) -> None:
     handle_failure(report, mode)
 
 
-def warn_grad_disabled_once(tuner) -> None:
-    """A training-mode forward under `no_grad`/`inference_mode` trains nothing; say so once per model."""
-    if getattr(tuner, "_warned_grad_disabled", False):
-        return
-    tuner._warned_grad_disabled = True
+def warn_grad_disabled(tuner) -> None:
+    """A training-mode forward under `no_grad`/`inference_mode` trains nothing; the forward says so once per model
+    (`ForwardState.take_grad_warning`)."""
     warnings.warn(
         "[grad_disabled] The soft-prompted model ran a forward in training mode with gradients disabled "
         "(torch.no_grad(), torch.inference_mode() or inside generate()), so the prompt gets no gradient from it. "

@@ -29,13 +29,12 @@ def _prompted_causal_lm_loss(*args, **kwargs):
     return ForCausalLMLoss(*args, **kwargs)
 
 
-LOSS_MAPPING.setdefault(PROMPTED_CAUSAL_LM_LOSS, _prompted_causal_lm_loss)
-
-
 def _count_every_label(model: nn.Module) -> None:
     # A model without a `loss_type` (GPT2LMHeadModel) falls back to ForCausalLMLoss with a warning about a config
     # field the user never set, on the first read of `loss_function` (ours reads it too). Under the alias it computes
     # the same loss, and the Trainer still counts every label: only ForCausalLMLoss itself makes it shift the labels.
+    # Registered here, at attach, not at import; it stays registered afterwards (the same loss under another name).
+    LOSS_MAPPING.setdefault(PROMPTED_CAUSAL_LM_LOSS, _prompted_causal_lm_loss)
     loss_type = getattr(model, "loss_type", False)
     if loss_type is None or LOSS_MAPPING.get(loss_type) is ForCausalLMLoss:
         model.loss_type = PROMPTED_CAUSAL_LM_LOSS

@@ -17,8 +17,9 @@ from torch import nn
 
 from .._names import BANK, PREFIX, SAVED_KEY, encoder_state
 from ..files import loading, saving
-from ..forward import attention, generation, prompted, routing, validation
 from ..forward import paths as forward_paths
+from ..forward import prompted, routing, validation
+from ..forward.state import ForwardState
 from ..gradients import flow as gradient_flow
 from . import precision, reparam, tying
 from .config import ForwardPath
@@ -59,17 +60,15 @@ class SoftPromptPlusModel(BaseTuner):
         validation.check_attach(model, config, task)
         tying.refuse_tied_training(model, config.modules_to_save)
         if BANK not in self._modules:
-            # Recorded once, so `unload()` can hand back the base model exactly as it came.
-            self._base_requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
-            self._base_loss_type = getattr(model, "loss_type", None)
+            # Created once, so `unload()` can hand back the base model exactly as it came.
+            self.forward_state = ForwardState(model)
             self.prompt_bank = SoftPromptBank()
-            self._kv_store = generation.PromptKVStore()
             self._pending_validation: set[str] = set()
         if not self.prompt_bank.prompts:  # the first adapter, or the first since the last one was deleted
-            self._start_prompting(model, task)
+            self.forward_state.start(model, task)
         trainable = adapter_name in self.active_adapters and not config.inference_mode
         try:
-            if config.forward_path == ForwardPath.SHARED_KV and not self._attention_path:
+            if config.forward_path == ForwardPath.SHARED_KV and not self.forward_state.attention_path:
                 raise forward_paths.shared_kv_refused(model, forward_paths.OUTSIDE_REGISTRY)
             embedding = model.get_input_embeddings()
             values = initial_prompt(config, embedding, model.config)
@@ -92,36 +91,13 @@ class SoftPromptPlusModel(BaseTuner):
             self._roll_back(model, adapter_name)
             raise
 
-    def _start_prompting(self, model: nn.Module, task) -> None:
-        """What the first prompt needs from the base: frozen weights, our attention, the task's loss alias."""
-        self._flags_before = {n: p.requires_grad for n, p in model.named_parameters()}
-        task.on_attach(model)
-        model.requires_grad_(False)
-        self._own_attention = attention.install(model)
-        self._attention_path = forward_paths.attention_supported(model)
-        if not self._attention_path:
-            attention.uninstall(model, self._own_attention)
-            attention.log_once(
-                f"{type(model).__name__} computes attention outside transformers' attention registry: its soft "
-                "prompt is concatenated to every row (forward_path='concat')."
-            )
-
-    def _stop_prompting(self, model: nn.Module) -> None:
-        """No prompt left: the model's own attention and loss come back, so it computes the base model exactly."""
-        attention.uninstall(model, self._own_attention)
-        if hasattr(model, "loss_type"):
-            model.loss_type = self._base_loss_type
-        self._kv_store.drop()
-
     def _roll_back(self, model: nn.Module, adapter_name: str) -> None:
         """A failed attach leaves the base as it was: no half-added prompt, the `requires_grad` flags it had."""
         for table in (self.prompt_bank.prompts, self.prompt_bank.encoders):
             if adapter_name in table:
                 del table[adapter_name]
         if not self.prompt_bank.prompts:
-            self._stop_prompting(model)
-            for name, param in model.named_parameters():
-                param.requires_grad_(self._flags_before.get(name, param.requires_grad))
+            self.forward_state.roll_back(model)
 
     def _abandon_load(self, adapter_name: str) -> None:
         """A load that can't fit drops the adapter it just added, so the base model is handed back as it came."""
@@ -173,11 +149,11 @@ class SoftPromptPlusModel(BaseTuner):
     def delete_adapter(self, adapter_name: str) -> None:
         routing.check_adapter_name(adapter_name, list(self.peft_config), "delete_adapter")
         del self.peft_config[adapter_name]
-        self._kv_store.drop(adapter_name)
+        self.forward_state.kv_store.drop(adapter_name)
         new_active = delete_adapter(self, adapter_name=adapter_name, prefix=self.prefix, layer_cls=SoftPromptBank)
         self.active_adapter = new_active or []
         if not self.prompt_bank.prompts:  # PEFT's convention: without adapters the model is the base model
-            self._stop_prompting(self.model)
+            self.forward_state.stop(self.model)
 
     def set_requires_grad(self, adapter_names, requires_grad: bool = True) -> None:
         set_requires_grad(self, adapter_names=adapter_names, requires_grad=requires_grad)
@@ -185,9 +161,9 @@ class SoftPromptPlusModel(BaseTuner):
     def _enable_adapter_layers(self, enabled: bool = True) -> None:
         # A disabled adapter hands the model its own attention setting back, as `unload()` does.
         if not enabled:
-            attention.uninstall(self.model, self._own_attention)
-        elif self._attention_path and self.prompt_bank.prompts:
-            self._own_attention = attention.install(self.model)
+            self.forward_state.pause_attention(self.model)
+        elif self.prompt_bank.prompts:
+            self.forward_state.ensure_attention(self.model)
         for module in self.modules():
             if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
                 module.enable_adapters(enabled)
@@ -201,9 +177,7 @@ class SoftPromptPlusModel(BaseTuner):
     def unload(self) -> nn.Module:
         """Return the base model exactly as it came: same objects, same weights, same `requires_grad` flags."""
         model = self._unload_and_optionally_merge(merge=False)
-        self._stop_prompting(model)
-        for name, param in model.named_parameters():
-            param.requires_grad_(self._base_requires_grad.get(name, param.requires_grad))
+        self.forward_state.unload(model)
         return model
 
     # ------------------------------------------------------------------ forward
@@ -246,11 +220,8 @@ class SoftPromptPlusModel(BaseTuner):
     @contextlib.contextmanager
     def _enable_peft_forward_hooks(self, *args, **kwargs):
         # PeftModel hands `adapter_names` to this hook and strips it from what reaches `forward`/`generate`.
-        previous, self._adapter_names = getattr(self, "_adapter_names", None), kwargs.get("adapter_names")
-        try:
+        with self.forward_state.routing(kwargs.get("adapter_names")):
             yield
-        finally:
-            self._adapter_names = previous
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, adapter_names=None, **kw):
         return prompted.forward(self, input_ids, attention_mask, inputs_embeds, labels, adapter_names, kw)

@@ -400,7 +400,7 @@ def test_prompt_forced_to_fp16_is_reported(make_base):
 
 
 def test_cuda_check_exits_with_a_message_without_cuda(monkeypatch, capsys):
-    path = Path(__file__).resolve().parents[1] / "bench" / "cuda_check.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "cuda_check.py"
     spec = importlib.util.spec_from_file_location("cuda_check", path)
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "cuda_check", script)  # its dataclasses look their module up there

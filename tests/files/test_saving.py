@@ -141,7 +141,7 @@ def test_a_killed_save_leaves_the_old_adapter_or_the_new_one(tiny_model_dir, tmp
     import subprocess
     import sys
 
-    worker = os.path.join(os.path.dirname(__file__), "_save_kill_worker.py")
+    worker = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_save_kill_worker.py")
     out = tmp_path / "kills.json"
     done = subprocess.run(
         [sys.executable, worker, str(tiny_model_dir), str(tmp_path), str(out)],

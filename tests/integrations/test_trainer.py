@@ -23,7 +23,7 @@ from peft_softprompt_plus.forward import paths as forward_paths
 N = 4  # virtual tokens
 LENGTH = 12  # every row is right-padded to this many tokens
 SAVED_KEY = "base_model.softprompt_plus.prompt"
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_with_trainer.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_with_trainer.py")
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",

@@ -158,14 +158,14 @@ def test_deleting_the_last_adapter_leaves_the_base_model_as_peft_does(make_base,
     model = make_peft(base=base)
     ids, mask = random_ids(2, 6), torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)  # stores a prompt pass
-    assert is_installed(base.config) and model.base_model._kv_store._entries
+    assert is_installed(base.config) and model.base_model.forward_state.kv_store._entries
     attached_loss_type = base.loss_type  # GPT-2 has none; attached, it names the prompted loss
     assert attached_loss_type != own_loss_type
 
     model.delete_adapter("default")
     assert model.active_adapters == [] and list(model.peft_config) == [] and not model.base_model.prompt_bank.prompts
     assert (base.config._attn_implementation, base.loss_type) == (own_attention, own_loss_type)
-    assert model.base_model._kv_store._entries == {}
+    assert model.base_model.forward_state.kv_store._entries == {}
     with torch.no_grad():
         assert torch.equal(
             model.base_model(input_ids=ids, attention_mask=mask).logits,

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-WORKER = os.path.join(os.path.dirname(__file__), "_ddp_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_ddp_worker.py")
 TIMEOUT_S = 240
 
 

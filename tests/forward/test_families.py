@@ -74,7 +74,7 @@ def family(request):
 
 def test_path_is_the_attention_where_the_family_allows_it(family):
     model, _ = attach(family)
-    assert model.base_model._attention_path is (family not in CONCAT_ONLY)
+    assert model.base_model.forward_state.attention_path is (family not in CONCAT_ONLY)
     attn = model.config._attn_implementation
     assert attn.startswith("softprompt_plus_") is (family not in CONCAT_ONLY)
     own = tiny_family(family, VOCAB).config._attn_implementation

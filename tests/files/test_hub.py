@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/, where the helpers live
 sys.path.insert(0, str(HERE))
 from _hub_server import FakeHub  # noqa: E402
 

@@ -16,7 +16,7 @@ from peft import PeftModel
 
 from peft_softprompt_plus.apps.tiny import tiny_gpt2
 
-WORKER = os.path.join(os.path.dirname(__file__), "_sharded_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_sharded_worker.py")
 TIMEOUT_S = 240
 # Measured: 1.7e-7 (FSDP1, ZeRO-2/3) and 4.1e-8 (FSDP2) on the prompt, 2.1e-7 on the logits; the ranks' float32 sums
 # are grouped differently from one process's, so bit equality is not expected.

@@ -147,9 +147,9 @@ def test_prompt_kv_is_reused_until_the_prompt_changes(model):
     tuner = model.base_model
     ids = random_ids(1, 4, seed=21)
     first = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
-    entry = tuner._kv_store._entries["default"]
+    entry = tuner.forward_state.kv_store._entries["default"]
     model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
-    assert tuner._kv_store._entries["default"] is entry  # reused, not recomputed
+    assert tuner.forward_state.kv_store._entries["default"] is entry  # reused, not recomputed
     prompt = tuner.prompt("default")
     opt = torch.optim.SGD([prompt], lr=10.0)
     model.train()
@@ -157,7 +157,7 @@ def test_prompt_kv_is_reused_until_the_prompt_changes(model):
     opt.step()
     model.eval()
     second = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
-    assert tuner._kv_store._entries["default"] is not entry  # the optimizer step invalidated it
+    assert tuner.forward_state.kv_store._entries["default"] is not entry  # the optimizer step invalidated it
     assert torch.equal(second, manual_greedy(model, ids, 4))
     assert not torch.equal(first, second)
 

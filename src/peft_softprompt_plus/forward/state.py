@@ -1,0 +1,150 @@
+"""The forward's state: one object the tuner holds (`tuner.forward_state`), with methods the tuner, the forward, the
+gradient probe and loading call. It owns whether the prompt enters at the attention, what prompting changed on the
+base model (so it can be handed back), each adapter's stored prompt pass, the `adapter_names` of the call in flight,
+the one `grad_disabled` warning, and where an adapter being loaded comes from. No module writes another's private
+attributes."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import nn
+
+from . import attention
+from . import paths as forward_paths
+from .generation import PromptKVStore
+
+
+@dataclass
+class BaseSettings:
+    """What prompting changes on a base model: its `requires_grad` flags, attention implementation and `loss_type`.
+    Captured before a change, restored to hand the model back exactly as it came."""
+
+    requires_grad: dict[str, bool]
+    attention: Optional[str]
+    loss_type: Optional[str]
+
+    @classmethod
+    def capture(cls, model: nn.Module) -> BaseSettings:
+        config = getattr(model, "config", None)
+        return cls(
+            {name: p.requires_grad for name, p in model.named_parameters()},
+            getattr(config, "_attn_implementation", None),
+            getattr(model, "loss_type", None),
+        )
+
+    def restore_flags(self, model: nn.Module) -> None:
+        for name, param in model.named_parameters():
+            param.requires_grad_(self.requires_grad.get(name, param.requires_grad))
+
+    def restore_loss(self, model: nn.Module) -> None:
+        if hasattr(model, "loss_type"):
+            model.loss_type = self.loss_type
+
+    def restore(self, model: nn.Module) -> None:
+        self.restore_flags(model)
+        attention.uninstall(model, self.attention)
+        self.restore_loss(model)
+
+
+class ForwardState:
+    """See the module docstring. Created with the tuner's first adapter; lives as long as the tuner."""
+
+    def __init__(self, model: nn.Module):
+        self.base = BaseSettings.capture(model)  # as the model came: `unload()` hands this back
+        self.kv_store = PromptKVStore()
+        self.attention_path = False  # whether the prompt enters at the attention (else it is concatenated)
+        self._own_attention: Optional[str] = self.base.attention
+        self._before_prompting: Optional[BaseSettings] = None
+        self._call_adapter_names = None
+        self._grad_warning_due = True
+        self._encoder_source: Optional[tuple] = None
+
+    # ------------------------------------------------------------------ prompting on and off
+
+    def start(self, model: nn.Module, task) -> None:
+        """The first prompt: freeze the base, install our attention and the task's loss alias."""
+        self._before_prompting = BaseSettings.capture(model)
+        task.on_attach(model)
+        model.requires_grad_(False)
+        self._own_attention = attention.install(model)
+        self.attention_path = forward_paths.attention_supported(model)
+        if not self.attention_path:
+            attention.uninstall(model, self._own_attention)
+            attention.log_once(
+                f"{type(model).__name__} computes attention outside transformers' attention registry: its soft "
+                "prompt is concatenated to every row (forward_path='concat')."
+            )
+
+    def stop(self, model: nn.Module) -> None:
+        """No prompt left: the model's own attention and loss come back, so it computes the base model exactly."""
+        attention.uninstall(model, self._own_attention)
+        self.base.restore_loss(model)
+        self.kv_store.drop()
+
+    def roll_back(self, model: nn.Module) -> None:
+        """A failed first attach: as `stop`, and the `requires_grad` flags the model had before it."""
+        self.stop(model)
+        if self._before_prompting is not None:
+            self._before_prompting.restore_flags(model)
+
+    def unload(self, model: nn.Module) -> None:
+        self.stop(model)
+        self.base.restore_flags(model)
+
+    def pause_attention(self, model: nn.Module) -> None:
+        """`disable_adapter()`: the model's own attention while it runs as the base model."""
+        attention.uninstall(model, self._own_attention)
+
+    def ensure_attention(self, model: nn.Module) -> None:
+        """Ours again when something switched it since attach (`set_attn_implementation`, a disabled adapter)."""
+        if self.attention_path and not attention.is_installed(model.config):
+            self._own_attention = attention.install(model)
+
+    # ------------------------------------------------------------------ the call in flight
+
+    @contextlib.contextmanager
+    def routing(self, adapter_names):
+        """PeftModel hands `adapter_names` to the tuner's hook and strips it from what reaches forward/generate."""
+        previous, self._call_adapter_names = self._call_adapter_names, adapter_names
+        try:
+            yield
+        finally:
+            self._call_adapter_names = previous
+
+    @property
+    def adapter_names(self):
+        return self._call_adapter_names
+
+    # ------------------------------------------------------------------ the one grad_disabled warning
+
+    def take_grad_warning(self) -> bool:
+        """True once per model: the caller warns then."""
+        due, self._grad_warning_due = self._grad_warning_due, False
+        return due
+
+    @contextlib.contextmanager
+    def grad_warning_held(self):
+        """The probe runs forwards under `no_grad` on purpose: they must not use up the user's one warning."""
+        due, self._grad_warning_due = self._grad_warning_due, False
+        try:
+            yield
+        finally:
+            self._grad_warning_due = due
+
+    # ------------------------------------------------------------------ loading
+
+    @contextlib.contextmanager
+    def loading_from(self, source: tuple):
+        """While PEFT loads an adapter: `(model_id, subfolder, revision, token)`, so the file beside it is found."""
+        self._encoder_source = source
+        try:
+            yield
+        finally:
+            self._encoder_source = None
+
+    @property
+    def encoder_source(self) -> Optional[tuple]:
+        return self._encoder_source
