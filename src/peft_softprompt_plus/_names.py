@@ -4,6 +4,14 @@ METHOD = "SOFTPROMPT_PLUS"  # the PeftType member and `peft_type` in adapter_con
 PREFIX = "softprompt_plus_"  # PEFT finds adapter parameters by this prefix in their names
 BANK = "prompt_bank"  # the tuner's SoftPromptBank; its prompts: `base_model.prompt_bank.softprompt_plus_prompt.<name>`
 SAVED_KEY = "base_model.softprompt_plus.prompt"  # the prompt's key in adapter_model.safetensors (every release)
+PROMPTS = "softprompt_plus_prompt"  # the bank's ParameterDict of prompts
+
+
+def prompt_key(adapter_name: str, bank: str = BANK) -> str:
+    """An adapter's prompt in a live model's state dict (`bank` the bank's path in it; its name alone as a suffix)."""
+    return f"{bank}.{PROMPTS}.{adapter_name}"
+
+
 BASE_ROW = "__base__"  # `adapter_names` entry for a row without a prompt (PEFT's convention)
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")

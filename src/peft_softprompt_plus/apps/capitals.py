@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..forward import semantics
 from ..forward.semantics import IGNORE_INDEX
 from .fetch import DATA_WHEELS, read_wheel_files
 
@@ -59,16 +60,8 @@ def encode(tokenizer, country: str, capital: str, prefix: str = "") -> tuple[lis
 
 
 def left_padded(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
-    """`input_ids`, `attention_mask`, `labels` `[B, L]`, padded on the left as generation wants."""
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), width), pad_id)
-    labels = torch.full((len(rows), width), IGNORE_INDEX)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, (row_ids, row_labels) in enumerate(rows):
-        ids[i, width - len(row_ids) :] = torch.tensor(row_ids)
-        labels[i, width - len(row_ids) :] = torch.tensor(row_labels)
-        mask[i, width - len(row_ids) :] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    """`input_ids`, `attention_mask`, `labels` `[B, L]` of `(ids, labels)` rows, padded on the left."""
+    return semantics.left_padded([ids for ids, _ in rows], pad_id, [labels for _, labels in rows])
 
 
 def _stops(tokenizer) -> list[int]:
@@ -77,7 +70,7 @@ def _stops(tokenizer) -> list[int]:
 
 
 def _pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return semantics.pad_id(tokenizer)
 
 
 @torch.no_grad()

@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
-import torch
+from ..forward.semantics import left_padded, pad_id
+
+__all__ = ["left_padded", "pad_id"]  # the forward's, read here by the teacher, the score and the bench
 
 # The system turn's content when formatting for the student: the text after the system turn must not depend on it
 # (checked for every distilled turn), so the student's inputs are rendered without knowing the real system prompt.
@@ -194,15 +196,4 @@ def student_inputs(tokenizer, conversations, chat: bool = True) -> dict:
     )
     batch = [conversations] if single else list(conversations)
     rows = [_ids(tokenizer, student_text(tokenizer, c, chat)) for c in batch]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return left_padded(rows, pad)
-
-
-def left_padded(rows: list[list[int]], pad_id: int) -> dict:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, L]
-    mask = torch.zeros(len(rows), width, dtype=torch.long)  # [B, L]
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row) :] = 1
-    return {"input_ids": ids, "attention_mask": mask}
+    return left_padded(rows, pad_id(tokenizer))

@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from peft import PeftModel, get_peft_model
 
+from ..forward import semantics
 from ..method.config import SoftPromptPlusConfig
 from . import data as distill_data
 from . import score as distill_score
@@ -114,8 +115,7 @@ def _train(model, samples: DistillSamples, steps, batch_size, lr, seed, evaluate
 
 
 def _pad_id(model) -> int:
-    config = model.get_base_model().config
-    return config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    return semantics.pad_id(model.get_base_model().config)
 
 
 def distill_prompt(

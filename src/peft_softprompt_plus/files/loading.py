@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._names import BANK, CONFIG_FILE, ENCODER_FILE, METHOD, RAW_KEY, SAVED_KEY, WEIGHT_FILES
+from .._names import BANK, CONFIG_FILE, ENCODER_FILE, METHOD, RAW_KEY, SAVED_KEY, WEIGHT_FILES, prompt_key
 from ..forward.state import BaseSettings
 
 logger = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ def remapped_for_load(tuner, bank_name: str, adapter_name: str, state_dict: dict
     if problem:
         raise AdapterFileError(problem)
     remapped = {k: v for k, v in state_dict.items() if k not in saved}
-    remapped.update({f"{bank_name}.softprompt_plus_prompt.{adapter_name}": state_dict[k] for k in saved})
+    remapped.update({prompt_key(adapter_name, bank_name): state_dict[k] for k in saved})
     # Training on from a reparameterised adapter: the raw prompt and encoder saved beside the folded table.
     remapped.update(resume_state(tuner, bank_name, adapter_name))
     return remapped
@@ -221,7 +221,7 @@ def resume_state(tuner, bank_name: str, adapter_name: str) -> dict[str, torch.Te
             "the same save as adapter_config.json."
         )
     prefix = f"{bank_name}.softprompt_plus_"
-    out = {f"{prefix}prompt.{adapter_name}": tensors[RAW_KEY]}
+    out = {prompt_key(adapter_name, bank_name): tensors[RAW_KEY]}
     out.update({f"{prefix}encoder.{adapter_name}.{k[8:]}": v for k, v in tensors.items() if k != RAW_KEY})
     return out
 

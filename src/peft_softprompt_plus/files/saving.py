@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from typing import Callable, Optional, TypeVar
 
-from .._names import BANK, ENCODER_FILE, RAW_KEY, encoder_state
+from .._names import BANK, ENCODER_FILE, RAW_KEY, encoder_state, prompt_key
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -194,7 +194,7 @@ def write_beside(peft_model, folder: str, state_dict: Optional[dict]) -> None:
         target = folder if name == "default" else os.path.join(folder, name)
         if not os.path.isfile(os.path.join(target, "adapter_config.json")):
             continue  # not among `selected_adapters`
-        raw = next(v for k, v in state.items() if k.endswith(f"{BANK}.softprompt_plus_prompt.{name}"))
+        raw = next(v for k, v in state.items() if k.endswith(prompt_key(name)))
         tensors = {RAW_KEY: raw, **{f"encoder.{k}": v for k, v in encoder_state(state, name).items()}}
         tensors = {k: v.detach().float().contiguous().cpu() for k, v in tensors.items()}
         save_file(tensors, os.path.join(target, ENCODER_FILE), metadata={"format": "pt"})

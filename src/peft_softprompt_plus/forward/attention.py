@@ -75,11 +75,7 @@ class PromptKV:
         return PromptKV(self.lengths, self.rows, False, query_offset, self.layers, positions=positions)
 
     def for_rows(self, tensor: torch.Tensor, batch: int) -> torch.Tensor:
-        """`[A, ...]` -> `[batch, ...]`; `batch` may be a multiple of B (beams, `num_return_sequences`)."""
-        if self.rows is None:
-            return tensor.expand(batch, *tensor.shape[1:])  # a view: one prompt, no copy until the kernel's cat
-        rows = self.rows.to(tensor.device).clamp(min=0)
-        return tensor.index_select(0, rows.repeat_interleave(batch // rows.shape[0]))
+        return gather_rows(tensor, self.rows, batch)
 
     def mask(self, text_mask, query: torch.Tensor, key: torch.Tensor, window: Optional[int], additive: bool):
         """`[b, 1, q, N+kv]`: the prompt's columns in front of the text's mask, in the kernel's form; once per forward
@@ -216,6 +212,16 @@ def _split_attention(prompt_kv: PromptKV, query, prompt: tuple, text: tuple, mas
     weights = scores.softmax(dim=-1).to(value.dtype).reshape(batch, kv_heads, rows, -1)
     out = times_prompt(weights[..., :width], prompt_v) + weights[..., width:] @ value  # [B, Hkv, G*q, hd]
     return out.reshape(batch, heads, q, dim).transpose(1, 2), None  # [B, q, H, hd]
+
+
+def gather_rows(values: torch.Tensor, rows: Optional[torch.Tensor], batch: int) -> torch.Tensor:
+    """`[A, ...]` -> `[batch, ...]`: row b reads `values[rows[b]]` (-1, a row without a prompt, reads entry 0, which
+    callers mask); `batch` may be a multiple of `len(rows)` (beams, `num_return_sequences`). `rows=None`: every row
+    reads entry 0, as a view (no copy until the kernel's cat)."""
+    if rows is None:
+        return values.expand(batch, *values.shape[1:])
+    rows = rows.to(values.device).clamp(min=0)
+    return values.index_select(0, rows.repeat_interleave(batch // rows.shape[0]))
 
 
 @functools.lru_cache(maxsize=None)

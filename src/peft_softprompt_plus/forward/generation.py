@@ -65,12 +65,9 @@ def _inputs(model: nn.Module, num_prompt: int, args: tuple, kwargs: dict):
             f"{'a tensor' if kwargs.get('inputs_embeds') is not None else None}. Pass token ids; the prompt is added "
             "for you."
         )
-    for key in ("cache", "past_key_values", "position_ids"):
-        if kwargs.get(key) is not None:
-            raise ValueError(
-                f"`{key}` can't be passed to `generate()` with a soft prompt, got a {type(kwargs[key]).__name__}: the "
-                "prompt owns positions 0..N-1 (text positions come from `attention_mask`) and the cache."
-            )
+    validation.refuse_owned(
+        kwargs, "`generate()` with a soft prompt", "the prompt's keys/values are the cache's start"
+    )
     input_ids = validation.check_ids("input_ids", input_ids, model.get_input_embeddings().num_embeddings)
     batch, length = input_ids.shape
     validation.check_mask(kwargs.get("attention_mask"), batch, length)

@@ -31,9 +31,7 @@ class RowPrompts:
 
     def per_row(self, values: torch.Tensor, batch: int) -> torch.Tensor:
         """`[A, ...]` -> `[B, ...]`; rows without a prompt get row 0's values (callers mask them)."""
-        if self.rows is None:
-            return values.expand(batch, *values.shape[1:])
-        return values.index_select(0, self.rows.to(values.device).clamp(min=0))
+        return attention.gather_rows(values, self.rows, batch)
 
     def has_prompt(self, batch: int, device) -> torch.Tensor:
         return torch.ones(batch, dtype=torch.bool, device=device) if self.rows is None else self.rows.to(device) >= 0

@@ -54,11 +54,15 @@ def _task_for(tuner, adapters) -> Task:
     return task_of(tasks.pop())
 
 
-def _names_for_heads(tuner, adapter_names) -> list[str]:
-    """Per-row names for the SEQ_CLS head's copies; other `modules_to_save` copies can't follow a mixed batch."""
+def _names_for_heads(tuner, task: Task, adapter_names) -> list[str]:
+    """Per-row names for the task head's copies; other `modules_to_save` copies can't follow a mixed batch."""
     names = list(adapter_names if adapter_names is not None else tuner.forward_state.adapter_names)
-    head = getattr(tuner.model, "score", None)
-    others = [n for n, m in tuner.model.named_modules() if isinstance(m, ModulesToSaveWrapper) and m is not head]
+    heads = [getattr(tuner.model, name) for name in task.head_copies if hasattr(tuner.model, name)]
+    others = [
+        n
+        for n, m in tuner.model.named_modules()
+        if isinstance(m, ModulesToSaveWrapper) and not any(m is h for h in heads)
+    ]
     if others:
         raise ValueError(
             f"`adapter_names` mixes adapters in one batch, but `modules_to_save` copies {others} run inside the "
@@ -78,7 +82,7 @@ def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_nam
     validation.check_forward(tuner.model, input_ids, inputs_embeds, attention_mask, labels, kw, task.token_labels)
     if tuner.model.training and not torch.is_grad_enabled() and tuner.forward_state.take_grad_warning():
         gradient_flow.warn_grad_disabled(tuner)
-    names = None if route.rows is None else _names_for_heads(tuner, adapter_names)
+    names = None if route.rows is None else _names_for_heads(tuner, task, adapter_names)
     rows = forward_paths.RowPrompts([tuner.prompt_for_use(a) for a in route.adapters], route.rows, names)
     longest = max(p.shape[0] for p in rows.prompts)
     semantics.check_fits(longest, text.shape[1], semantics.max_positions(tuner.model.config))

@@ -14,15 +14,32 @@ IGNORE_INDEX = -100
 
 
 def text_mask(attention_mask: Optional[torch.Tensor], batch: int, length: int, device) -> torch.Tensor:
-    """The user's 2-D mask, or all ones; validated so a wrong shape fails here rather than deep in attention."""
+    """The user's 2-D mask, or all ones (`validation.check_mask` has refused every other shape before this)."""
     if attention_mask is None:
         return torch.ones(batch, length, dtype=torch.long, device=device)  # [B, L]
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
-        raise ValueError(
-            f"`attention_mask` must have shape [batch, seq_len] = [{batch}, {length}] to match the inputs, got "
-            f"{list(attention_mask.shape)}. 4-D masks are not supported with a soft prompt."
-        )
     return attention_mask.to(device)
+
+
+def pad_id(source) -> int:
+    """A tokenizer's or a config's pad id, else its end-of-text id (GPT-2 has no pad token)."""
+    return source.pad_token_id if source.pad_token_id is not None else source.eos_token_id
+
+
+def left_padded(rows: list[list[int]], pad: int, labels: Optional[list[list[int]]] = None) -> dict:
+    """`input_ids`, `attention_mask` (and `labels`, IGNORE_INDEX on padding) `[B, L]`, padded on the left as
+    generation wants."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)  # [B, L]
+    mask = torch.zeros(len(rows), width, dtype=torch.long)  # [B, L]
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    out = {"input_ids": ids, "attention_mask": mask}
+    if labels is not None:
+        out["labels"] = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        for i, row in enumerate(labels):
+            out["labels"][i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+    return out
 
 
 def extended_mask(mask: torch.Tensor, num_prompt: int) -> torch.Tensor:

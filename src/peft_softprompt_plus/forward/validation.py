@@ -128,15 +128,25 @@ def check_forward(
     if kwargs.get("token_type_ids") is not None:
         types = check_ids("token_type_ids", kwargs["token_type_ids"], embedding.num_embeddings)
         _same_shape("token_type_ids", types, (batch, length), "one type per token")
-    for key in ("cache", "past_key_values", "position_ids"):
+    refuse_owned(
+        kwargs,
+        "a soft-prompted forward",
+        "for incremental decoding use `model.generate()`; with TRL, turn off `packing` and `padding_free` (one prompt "
+        "can't sit in front of each packed document)",
+    )
+    return batch, length
+
+
+OWNED = ("cache", "past_key_values", "position_ids")  # what the prompt owns: positions 0..N-1 and the cache
+
+
+def refuse_owned(kwargs: dict, where: str, advice: str) -> None:
+    for key in OWNED:
         if kwargs.get(key) is not None:
             raise ValueError(
-                f"`{key}` can't be passed to a soft-prompted forward, got a {type(kwargs[key]).__name__}: the prompt "
-                "owns positions 0..N-1 and the cache. Positions come from `attention_mask`; for incremental decoding "
-                "use `model.generate()`; with TRL, turn off `packing` and `padding_free` (one prompt can't sit in "
-                "front of each packed document)."
+                f"`{key}` can't be passed to {where}, got a {type(kwargs[key]).__name__}: the prompt owns positions "
+                f"0..N-1 and the cache. Positions come from `attention_mask`; {advice}."
             )
-    return batch, length
 
 
 def new_tokens(model: nn.Module, length: int, kwargs: dict) -> int:
@@ -164,13 +174,10 @@ def check_generate_fits(model: nn.Module, num_prompt: int, length: int, kwargs: 
         )
 
 
-_SEQ_CLS_HEADS = {"classifier", "score"}  # PeftModelForSequenceClassification adds both, whichever the model has
-
-
-def _check_modules_to_save(model: nn.Module, wanted) -> None:
+def _check_modules_to_save(model: nn.Module, wanted, task) -> None:
     """Each name must match a module as PEFT matches them (the full name or its last parts)."""
     names = [n for n, _ in model.named_modules() if n]
-    for entry in set(wanted or ()) - _SEQ_CLS_HEADS:
+    for entry in set(wanted or ()) - set(task.head_copies):
         if not any(n == entry or n.endswith("." + entry) for n in names):
             close = difflib.get_close_matches(entry, sorted({n.rsplit(".", 1)[-1] for n in names} | set(names)), n=3)
             raise ValueError(
@@ -188,7 +195,7 @@ def check_attach(model: nn.Module, config, task) -> None:
             f"has {limit} positions. Use fewer virtual tokens (the prompt and the longest text must fit in "
             f"{limit})."
         )
-    _check_modules_to_save(model, config.modules_to_save)
+    _check_modules_to_save(model, config.modules_to_save, task)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if not isinstance(embedding, nn.Embedding):
         raise ValueError(

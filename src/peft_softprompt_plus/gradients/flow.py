@@ -154,7 +154,7 @@ def _undisturbed(model: nn.Module, grad_context):
 
 
 def _probe_batch(tuner, adapter_name: str) -> dict:
-    task = tuner.peft_config[adapter_name].task_type or "CAUSAL_LM"
+    task = tuner.peft_config[adapter_name].task_type
     device = tuner.model.get_input_embeddings().weight.device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]: one text token exercises every path
     labels = {"labels": ids} if task_of(task).token_labels else {}

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..forward import routing, semantics, validation
-from ..method.tasks import task_name
+from ..method.tasks import task_name, task_of
 from ..method.tuner import SoftPromptPlusModel
 
 
@@ -47,7 +47,7 @@ def _adapter(tuner: SoftPromptPlusModel, adapter_name) -> str:
     if adapter_name not in known:
         raise routing.unknown_adapter(adapter_name, known, "prompt_embeds")
     config = tuner.peft_config[adapter_name]
-    if task_name(config.task_type) != "CAUSAL_LM":
+    if not task_of(config.task_type).served_by_engines:
         raise ValueError(
             f"`adapter_name`={adapter_name!r} is a {task_name(config.task_type)} adapter: its trained head scores "
             "the model's output, and an engine fed embeddings runs the base model's own head. Serve it with this "

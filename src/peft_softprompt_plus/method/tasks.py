@@ -141,6 +141,10 @@ class Task:
     auto_class: str  # the transformers Auto class that loads such a base (model card, tiny models, errors)
     token_labels: bool  # labels per token `[B, L]` (the probe labels its token) or per row `[B]`
     on_attach: Callable = lambda model: None  # adjusts the base model once, when the first adapter is attached
+    # Its output is the base model's own next-token head, so an engine fed `prompt_embeds` serves it exactly.
+    served_by_engines: bool = False
+    # The heads PEFT wraps in `modules_to_save` for this task by itself (one copy per adapter, chosen per row).
+    head_copies: tuple[str, ...] = ()
 
 
 TASKS: dict[str, Task] = {
@@ -151,6 +155,7 @@ TASKS: dict[str, Task] = {
         auto_class="AutoModelForCausalLM",
         token_labels=True,
         on_attach=_count_every_label,
+        served_by_engines=True,
     ),
     "SEQ_CLS": Task(
         run=_sequence_classification,
@@ -158,6 +163,7 @@ TASKS: dict[str, Task] = {
         head="score",
         auto_class="AutoModelForSequenceClassification",
         token_labels=False,
+        head_copies=("classifier", "score"),  # PeftModelForSequenceClassification adds both, whichever exists
     ),
 }
 SUPPORTED_TASK_TYPES = tuple(TASKS)

@@ -15,7 +15,7 @@ from peft.utils import set_additional_trainable_modules
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from .._names import BANK, PREFIX, SAVED_KEY, encoder_state
+from .._names import BANK, PREFIX, SAVED_KEY, encoder_state, prompt_key
 from ..files import loading, saving
 from ..forward import paths as forward_paths
 from ..forward import prompted, routing, validation
@@ -233,7 +233,7 @@ class SoftPromptPlusModel(BaseTuner):
 
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
-        suffix = f"{BANK}.softprompt_plus_prompt.{adapter_name}"
+        suffix = prompt_key(adapter_name)
         found = next((v for k, v in state_dict.items() if k.endswith(suffix)), None)
         if found is None:
             return {}
