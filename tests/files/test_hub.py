@@ -240,8 +240,16 @@ def test_push_refuses_a_model_that_is_not_ours(make_base):
 
     with pytest.raises(
         ValueError, match=r"`model` must be a PeftModel with a SOFTPROMPT_PLUS adapter, got GPT2LMHead"
-    ):
+    ) as caught:
         push_to_hub(make_base(), "user/x")
+    # The same error `prompt_embeds` raises: a TypeError, and a ValueError as it was before 0.3.
+    import torch
+
+    from peft_softprompt_plus import prompt_embeds
+
+    assert isinstance(caught.value, TypeError)
+    with pytest.raises(type(caught.value), match=str(caught.value).split(",")[0]):
+        prompt_embeds(make_base(), torch.ones(1, 2, dtype=torch.long))
 
 
 def test_push_in_offline_mode_is_clear(make_peft, tmp_path):

@@ -76,12 +76,18 @@ def tiny_config(vocab_size: int, **overrides) -> GPT2Config:
     return GPT2Config(**kwargs)
 
 
+def _seeded(seed: int, build):
+    """`build()` under `seed`, leaving the caller's random state as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return build()
+
+
 def tiny_gpt2(seed: int = 0, task: str = "CAUSAL_LM", vocab_size: Optional[int] = None, **overrides):
     """A seeded random GPT-2 (causal LM or sequence classifier) sized for CPU tests."""
     vocab_size = vocab_size if vocab_size is not None else len(tiny_tokenizer())
     config = tiny_config(vocab_size, **overrides)
-    torch.manual_seed(seed)
-    return getattr(transformers, task_of(task).auto_class).from_config(config).eval()
+    return _seeded(seed, lambda: getattr(transformers, task_of(task).auto_class).from_config(config).eval())
 
 
 def save_tiny(path: str, seed: int = 0, **overrides) -> str:
@@ -138,8 +144,7 @@ def tiny_family(name: str, vocab_size: int = 300, seed: int = 0, task: str = "CA
         raise ValueError(f"`name` must be one of {sorted(FAMILIES)}, got {name!r}.")
     config_name, kwargs = FAMILIES[name]
     config = getattr(transformers, config_name)(vocab_size=vocab_size, **{**_TASK_CONFIG.get(task, {}), **kwargs})
-    torch.manual_seed(seed)
-    return getattr(transformers, task_of(task).auto_class).from_config(config).eval()
+    return _seeded(seed, lambda: getattr(transformers, task_of(task).auto_class).from_config(config).eval())
 
 
 _TASK_CONFIG = {"SEQ_CLS": dict(num_labels=3, pad_token_id=1)}

@@ -17,6 +17,7 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 
 from .._names import METHOD
+from ..method.errors import not_ours
 from .model_card import write_model_card
 
 
@@ -37,11 +38,7 @@ _TRANSPORT_ERRORS = _transport_errors()
 
 def _check_model(model) -> None:
     if getattr(model, "peft_type", None) != METHOD:
-        raise ValueError(
-            f"`model` must be a PeftModel with a SOFTPROMPT_PLUS adapter, got {type(model).__name__} with "
-            f"peft_type={getattr(model, 'peft_type', None)!r}. Wrap the base with "
-            "`get_peft_model(base, SoftPromptPlusConfig(...))` or load one with `PeftModel.from_pretrained`."
-        )
+        raise not_ours(model)
 
 
 def _unreachable(api: HfApi, repo_id: str, err: BaseException) -> ConnectionError:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..forward import routing, semantics, validation
+from ..method.errors import not_ours
 from ..method.tasks import task_name, task_of
 from ..method.tuner import SoftPromptPlusModel
 
@@ -21,12 +22,7 @@ def _tuner_of(model) -> SoftPromptPlusModel:
     inner = getattr(model, "base_model", None) if isinstance(model, nn.Module) else None
     if isinstance(inner, SoftPromptPlusModel):
         return inner
-    kind = getattr(model, "peft_type", None)
-    held = f" holding {getattr(kind, 'value', kind)} adapters" if kind is not None else ""
-    raise TypeError(
-        f"`model` must be a PeftModel with a SOFTPROMPT_PLUS adapter (or its `base_model`), got "
-        f"{type(model).__name__}{held}. Pass the model `get_peft_model` or `PeftModel.from_pretrained` returned."
-    )
+    raise not_ours(model)
 
 
 def _adapter(tuner: SoftPromptPlusModel, adapter_name) -> str:
