@@ -1,8 +1,11 @@
-"""GPU check of the precision paths: fp16 + GradScaler, bf16, fp32 + autocast, 8-bit and 4-bit bases on CUDA, and an
-8-bit-trained adapter loaded on fp32. Exits 2 with a message when CUDA is absent, 1 when a check fails.
+"""GPU check of the attention (bench/_cuda_attention.py: which SDPA backend runs, bf16 exactness, step time and
+memory of ours / PEFT / the floor at L up to 8192) and of the precision paths: fp16 + GradScaler, bf16, fp32 +
+autocast, 8-bit and 4-bit bases on CUDA, and an 8-bit-trained adapter loaded on fp32. Exits 2 with a message when
+CUDA is absent, 1 when a check fails.
 Method, pass criteria and commands: bench/README.md.
 
-    python bench/cuda_check.py                         # on a GPU, about a minute
+    python bench/cuda_check.py                         # on a GPU: the attention table (~6 min), then precision
+    python bench/cuda_check.py --part attention        # the attention part alone
     python bench/cuda_check.py --device cpu --quick    # a smoke test of the script itself, on the CPU
 """
 
@@ -141,6 +144,14 @@ def _parse(argv: Optional[list]) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--only", nargs="*", default=None, help=f"subset of {list(RECIPES)}")
+    parser.add_argument(
+        "--part",
+        choices=["all", "precision", "attention", "profile"],
+        default="all",
+        help="which checks (default: all; `profile` prints where a step's GPU time goes)",
+    )
+    parser.add_argument("--seconds", type=float, default=330, help="time budget of the attention speed table")
+    parser.add_argument("--reps", type=int, default=5, help="timed steps per variant (median)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.layers, args.embd, args.vocab, args.batch, args.length = 3, 2, 64, 1000, 2, 16
@@ -158,6 +169,24 @@ def main(argv: Optional[list] = None) -> int:
     import _common as c
 
     c.quiet(all_warnings=False)
+    attention_ok = True
+    if args.part == "profile":
+        import _cuda_attention
+
+        if device.type == "cpu":
+            _cuda_attention.smoke_on_cpu()
+            _cuda_attention.profile("tiny-llama", length=64, n=4)
+        else:
+            _cuda_attention.profile()
+        return 0
+    if args.part in ("all", "attention"):
+        import _cuda_attention
+
+        if device.type == "cpu":
+            _cuda_attention.smoke_on_cpu()
+        attention_ok = _cuda_attention.run(args.seconds, args.reps) == 0
+        if args.part == "attention":
+            return 0 if attention_ok else 1
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {device} ({name}); torch {torch.__version__}", flush=True)
     shape = c.Shape("check", args.layers, args.embd, max(1, args.embd // 64), args.vocab, args.batch, args.length)
@@ -192,7 +221,7 @@ def main(argv: Optional[list] = None) -> int:
             results.append(PathResult("portability", losses=[1, 0], prompt_dtype="float32", grad_dtype="float32"))
             results[-1].error = None if verdict == "ok" else "logits disagree beyond quantization noise"
     required = {label for label, recipe in RECIPES.items() if recipe.required} | {"portability"}
-    return 0 if all(r.ok for r in results if r.name in required) else 1
+    return 0 if attention_ok and all(r.ok for r in results if r.name in required) else 1
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
 
 
 def test_every_subcommand_has_help(capsys):
-    assert _subcommands() == ["autoload", "demo", "distill", "fetch", "inspect", "run"]
+    assert _subcommands() == ["autoload", "demo", "distill", "fetch", "inspect", "run", "serve"]
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     out = capsys.readouterr().out

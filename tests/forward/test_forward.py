@@ -132,8 +132,8 @@ _KERNEL_MODULES = {
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_the_prompt_mask_is_built_once_per_forward(make_base, make_peft, attn, monkeypatch):
-    # Every layer's kernel gets the same mask object: for sdpa a boolean [1, 1, L, N+L] for unpadded rows (sdpa's own
-    # mask builder skips those) and [B, 1, L, N+L] with padding; for eager an additive [B, 1, L, N+L].
+    # Every layer's kernel gets the same mask object: for sdpa a boolean [B, 1, L, N+L] with padding, and none at all
+    # for unpadded rows (the lower-right causal bias, forward/kernels.py); for eager an additive [B, 1, L, N+L].
     module_name, _, fn_name = _KERNEL_MODULES[attn].rpartition(".")
     module = importlib.import_module(module_name)
     kernel, seen = getattr(module, fn_name), []
@@ -151,14 +151,16 @@ def test_the_prompt_mask_is_built_once_per_forward(make_base, make_peft, attn, m
     ids = random_ids(3, 7)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
-    unpadded_rows = 1 if attn == "sdpa" else 3
-    for attention_mask, shape in ((None, (unpadded_rows, 1, 7, 12)), (mask, (3, 1, 7, 12))):
+    for attention_mask, shape in ((None, (3, 1, 7, 12)), (mask, (3, 1, 7, 12))):
         seen.clear()
         got = shared(input_ids=ids, attention_mask=attention_mask).logits
         text_layers = [m for m in seen if m is not None and m.shape[-1] == 12]
         want = concat(input_ids=ids, attention_mask=attention_mask).logits
         real = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else mask.bool()
         torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+        if attn == "sdpa" and attention_mask is None:
+            assert text_layers == [] and shared.base_model.forward_state.last_kernels == {"sdpa_lower_right"}
+            continue
         assert len(text_layers) == 2 and text_layers[0] is text_layers[1]  # built once, read by both layers
         assert tuple(text_layers[0].shape) == shape
         assert text_layers[0].dtype == (torch.bool if attn == "sdpa" else torch.float32)

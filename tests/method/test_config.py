@@ -1,10 +1,12 @@
 """`SoftPromptPlusConfig` (config.py): validation errors and round trips."""
 
 import copy
+import json
 import pickle
 
 import pytest
-from peft import PeftConfig, get_peft_config
+import torch
+from peft import PeftConfig, PeftModel, get_peft_config, get_peft_model
 
 from peft_softprompt_plus import SoftPromptPlusConfig
 
@@ -100,3 +102,24 @@ def test_round_trips(tmp_path):
     ):
         assert type(loaded) is SoftPromptPlusConfig
         assert loaded.to_dict() == config.to_dict()
+
+
+def test_no_task_type_is_a_causal_lm_whose_prompt_is_read(make_base, tmp_path):
+    # PEFT wraps a config without a task type in a bare PeftModel that calls the base model directly: the prompt
+    # used to be silently ignored (the logits equalled the base model's).
+    ids = torch.randint(2, 300, (2, 6))
+    base = make_base()
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+    model = get_peft_model(base, SoftPromptPlusConfig(num_virtual_tokens=4, init_seed=0))
+    assert type(model).__name__ == "PeftModelForCausalLM" and model.peft_config["default"].task_type == "CAUSAL_LM"
+    with torch.no_grad():
+        prompted = model(input_ids=ids).logits
+    assert (prompted - plain).abs().max() > 1e-3
+    model.save_pretrained(tmp_path / "a")
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    config["task_type"] = None  # as 0.2.0 saved an adapter made without one
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
+    loaded = PeftModel.from_pretrained(make_base(), tmp_path / "a")
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, prompted)

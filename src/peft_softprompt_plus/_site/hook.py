@@ -14,7 +14,10 @@ REGISTRATION = f"{PACKAGE}.integrations.registration"
 # Modules of ours that run without PEFT (the command line checks its arguments before any heavy import).
 LIGHT = {
     PACKAGE,
-    *(f"{PACKAGE}.{name}" for name in ("__main__", "_names", "_moved", "_site", "apps", "apps.cli", "apps.fetch")),
+    *(
+        f"{PACKAGE}.{name}"
+        for name in ("__main__", "_names", "_moved", "_site", "apps", "apps.cli", "apps.fetch", "apps.serve_args")
+    ),
     *(f"{PACKAGE}.{layer}" for layer in ("method", "forward", "gradients", "files", "integrations")),
 }
 

@@ -1,6 +1,6 @@
 """`softprompt-plus` command line: `demo` (the README's main job), `distill`, `fetch`, `inspect ADAPTER`,
-`run -- COMMAND` and `autoload`. Arguments are checked before torch, transformers or PEFT are imported, so mistakes
-fail at once."""
+`run -- COMMAND`, `autoload` and `serve`. Arguments are checked before torch, transformers or PEFT are imported, so
+mistakes fail at once."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import shutil
 import sys
 import sysconfig
 from typing import Optional, Sequence
+
+from . import serve_args
 
 STARTUP_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_site", "startup")
 AUTOLOAD_PTH = "peft_softprompt_plus_autoload.pth"
@@ -262,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     autoload.add_argument("action", choices=["on", "off", "status"])
     autoload.set_defaults(func=_autoload)
+    serve_args.add_parser(sub)
     return parser
 
 

@@ -167,6 +167,7 @@ def distill_prompt(
         for turn in train + held_out:  # every turn is checked before the model changes
             prepared.suffix_ids(tokenizer, turn)
     config = _init_config(tokenizer, prepared, num_virtual_tokens, seed, prompt_init)
+    config.chat_format = "student" if chat else None  # how a server formats its messages (`student_inputs`)
     model = get_peft_model(model, config)
     attach_teacher(model, prepared.prefix_ids)
     model.eval()  # no dropout: the student matches the teacher's own deterministic distribution

@@ -21,6 +21,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from . import kernels
+
 logger = logging.getLogger(__name__)
 
 KWARG = "softprompt_plus_kv"
@@ -44,6 +46,7 @@ class PromptKV:
     query_offset: int = 0
     layers: dict = field(default_factory=dict)
     positions: Optional[torch.Tensor] = None  # [B, q]
+    kernels: set = field(default_factory=set)  # which attention ran, for the record: see `_attention_function`
     _masks: dict = field(default_factory=dict)
 
     @classmethod
@@ -72,7 +75,7 @@ class PromptKV:
     def at(self, query_offset: int, positions: Optional[torch.Tensor] = None) -> "PromptKV":
         """The same prompt keys/values for a forward whose first query sits at `query_offset` (a decode step), its
         queries at `positions` `[B, q]`."""
-        return PromptKV(self.lengths, self.rows, False, query_offset, self.layers, positions=positions)
+        return PromptKV(self.lengths, self.rows, False, query_offset, self.layers, positions, self.kernels)
 
     def for_rows(self, tensor: torch.Tensor, batch: int) -> torch.Tensor:
         return gather_rows(tensor, self.rows, batch)
@@ -168,9 +171,19 @@ def _attention_function(kernel_name: str) -> Callable:
                 "model's layers don't all route attention alike. Use `forward_path='concat'` for this model."
             )
         prompt_k, prompt_v = prompt_kv.layers[module]
-        mask = prompt_kv.mask(attention_mask, query, key, kwargs.get("sliding_window") or None, additive)
+        window = kwargs.get("sliding_window") or None
+        if not additive and kernels.lower_right_fits(prompt_kv, query, key, attention_mask, window, kwargs):
+            out = kernels.lower_right(module, query, (prompt_k, prompt_v), (key, value), kwargs)
+            if out is not None:
+                prompt_kv.kernels.add("sdpa_lower_right")
+                return out
+        mask = prompt_kv.mask(attention_mask, query, key, window, additive)
         if not additive and _decoding(query, kwargs):
-            return _split_attention(prompt_kv, query, (prompt_k, prompt_v), (key, value), mask, kwargs.get("scaling"))
+            prompt_kv.kernels.add("sdpa_split")
+            return kernels.split_attention(
+                prompt_kv, query, (prompt_k, prompt_v), (key, value), mask, kwargs.get("scaling")
+            )
+        prompt_kv.kernels.add(f"{kernel_name}_mask")
         batch = query.shape[0]
         key = torch.cat([prompt_kv.for_rows(prompt_k, batch).to(key.dtype), key], dim=2)  # [B, Hkv, N+kv, hd]
         value = torch.cat([prompt_kv.for_rows(prompt_v, batch).to(value.dtype), value], dim=2)
@@ -182,36 +195,6 @@ def _attention_function(kernel_name: str) -> Callable:
 def _decoding(query: torch.Tensor, kwargs: dict) -> bool:
     """A few queries without autograd (a decode step): concatenating would copy every row's keys/values each step."""
     return query.shape[2] <= 8 and not torch.is_grad_enabled() and not kwargs.get("dropout")
-
-
-def _split_attention(prompt_kv: PromptKV, query, prompt: tuple, text: tuple, mask, scaling):
-    """Softmax attention over `[prompt; text]` keys without building them: the prompt's scores come from one batched
-    product of every row's queries with the single prompt copy (Hydragen's split); one softmax covers both parts.
-
-    `query` `[B, H, q, hd]`; `prompt` `[A, Hkv, N, hd]` pair; `text` `[B, Hkv, kv, hd]` pair; `mask` bool
-    `[b, 1, q, N+kv]`. Returns the kernel's `([B, q, H, hd], None)`.
-    """
-    (prompt_k, prompt_v), (key, value) = prompt, text
-    batch, heads, q, dim = query.shape
-    kv_heads, width = key.shape[1], prompt_k.shape[2]
-    rows = heads // kv_heads * q  # query rows per key/value head (GQA groups x queries)
-    grouped = query.reshape(batch, kv_heads, rows, dim)  # [B, Hkv, G*q, hd]
-
-    def times_prompt(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:  # [B, Hkv, G*q, .] @ [A, Hkv, ., .]
-        if prompt_kv.rows is not None:
-            return left @ prompt_kv.for_rows(right, batch)  # per-row prompts: a gathered copy each
-        folded = left.transpose(0, 1).reshape(kv_heads, batch * rows, left.shape[-1])  # [Hkv, B*G*q, .]
-        return (folded @ right[0]).view(kv_heads, batch, rows, -1).transpose(0, 1)  # [B, Hkv, G*q, .]
-
-    scale = scaling if scaling is not None else dim**-0.5
-    scores = torch.cat([times_prompt(grouped, prompt_k.transpose(-1, -2)), grouped @ key.transpose(-1, -2)], dim=-1)
-    scores = scores.view(batch, kv_heads, -1, q, scores.shape[-1])  # [B, Hkv, G, q, N+kv]
-    # The dtype's lowest value, not -inf, as in eager attention: a query that may attend to nothing (a left pad of
-    # a row without a prompt) gets finite weights instead of NaN that its value would spread.
-    scores = scores.float().mul_(scale).masked_fill_(prompt_kv.blocked(mask), torch.finfo(torch.float32).min)
-    weights = scores.softmax(dim=-1).to(value.dtype).reshape(batch, kv_heads, rows, -1)
-    out = times_prompt(weights[..., :width], prompt_v) + weights[..., width:] @ value  # [B, Hkv, G*q, hd]
-    return out.reshape(batch, heads, q, dim).transpose(1, 2), None  # [B, q, H, hd]
 
 
 def gather_rows(values: torch.Tensor, rows: Optional[torch.Tensor], batch: int) -> torch.Tensor:

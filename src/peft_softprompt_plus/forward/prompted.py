@@ -102,7 +102,9 @@ def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_nam
                 "`inputs_embeds`, or use forward_path='auto' on a model whose attention can take the prompt."
             )
         batch = forward_paths.concat_inputs(tuner.model, rows, input_ids, inputs_embeds, attention_mask)
-    return task.run(tuner.model, batch, labels, kw)
+    out = task.run(tuner.model, batch, labels, kw)
+    tuner.forward_state.record_kernels(batch.kwargs.get(attention.KWARG))
+    return out
 
 
 def generate(tuner, args: tuple, adapter_names, kwargs: dict):

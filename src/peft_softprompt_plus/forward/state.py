@@ -61,6 +61,7 @@ class ForwardState:
         self._call_adapter_names = None
         self._grad_warning_due = True
         self._encoder_source: Optional[tuple] = None
+        self.last_kernels: frozenset = frozenset()  # which attention the last forward ran (`record_kernels`)
 
     # ------------------------------------------------------------------ prompting on and off
 
@@ -117,6 +118,11 @@ class ForwardState:
     @property
     def adapter_names(self):
         return self._call_adapter_names
+
+    def record_kernels(self, prompt_kv) -> None:
+        """Which attention the last forward ran (`last_kernels`): `sdpa_lower_right` (one prompt, no padding: no
+        mask tensor), `sdpa_mask` / `eager_mask` (one explicit mask per forward, shared by the layers), or `concat`."""
+        self.last_kernels = frozenset(prompt_kv.kernels) if prompt_kv is not None else frozenset({"concat"})
 
     # ------------------------------------------------------------------ the one grad_disabled warning
 

@@ -134,6 +134,15 @@ class SoftPromptPlusConfig(PeftConfig):
             "shared_kv where the model's attention runs through transformers' attention registry, else concat."
         },
     )
+    chat_format: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "How this adapter's chat inputs were formatted in training, for a server that formats messages "
+            "(`softprompt-plus serve`): `template`, the tokenizer's chat template as is; `student`, the template "
+            "without the default system prompt some templates insert (what `distill_prompt` trains: "
+            "`student_inputs`). None: not recorded, served as `template`."
+        },
+    )
     modules_to_save: Optional[list[str]] = field(
         default=None,
         metadata={
@@ -145,6 +154,10 @@ class SoftPromptPlusConfig(PeftConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.peft_type = SOFTPROMPT_PLUS
+        if self.task_type is None:
+            # PEFT wraps a config without a task type in a bare PeftModel, whose forward calls the base model
+            # directly: the prompt would be silently ignored. No task type means a causal LM here.
+            self.task_type = "CAUSAL_LM"
         # Every check runs; the error lists every bad field, so one never hides another.
         problems = [problem for check in _CHECKS if (problem := check(self))]
         if len(problems) == 1:
@@ -256,6 +269,15 @@ def _modules_to_save(c: SoftPromptPlusConfig) -> Optional[str]:
     return None
 
 
+CHAT_FORMATS = ("template", "student")
+
+
+def _chat_format(config: SoftPromptPlusConfig) -> Optional[str]:
+    if config.chat_format is not None and config.chat_format not in CHAT_FORMATS:
+        return f"`chat_format` must be one of {list(CHAT_FORMATS)} or None, got {config.chat_format!r}."
+    return None
+
+
 _CHECKS: tuple[Callable[[SoftPromptPlusConfig], Optional[str]], ...] = (
     _task,
     _num_virtual_tokens,
@@ -266,4 +288,5 @@ _CHECKS: tuple[Callable[[SoftPromptPlusConfig], Optional[str]], ...] = (
     _residual,
     _init_seed,
     _modules_to_save,
+    _chat_format,
 )

@@ -1,0 +1,160 @@
+"""What `softprompt-plus serve` does before and after HTTP: the base, its tokenizer and the adapters by name, each
+request's text formatted the way its adapter was trained, and the `[N+L, D]` sequence vLLM reads as `prompt_embeds`.
+
+Clients send text; the embeddings are built here, from the adapters this process loaded, and only sent upstream.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .._names import CONFIG_FILE, METHOD
+from ..distill.data import student_text
+from ..integrations.serving import prompt_embeds
+
+
+class FrontError(Exception):
+    """A request or an adapter the front refuses: `status` is the HTTP status the client gets."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Adapter:
+    name: str
+    folder: str
+    num_virtual_tokens: int
+    chat_format: str  # "template" or "student"
+
+
+class Front:
+    """The base model with every adapter loaded into one PeftModel; a lock keeps adapter changes and embedding
+    builds from meeting (the model is only read to build embeddings: vLLM runs the forward)."""
+
+    def __init__(self, base: str, dtype: str = "float32"):
+        self.base_path = base
+        self.base_name = os.path.basename(os.path.normpath(base)) or base
+        self.tokenizer = AutoTokenizer.from_pretrained(base)
+        self.base = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype)).eval()
+        self.model: Optional[PeftModel] = None
+        self.adapters: dict[str, Adapter] = {}
+        self.lock = threading.Lock()
+        self.max_positions = getattr(self.base.config, "max_position_embeddings", None)
+
+    # ------------------------------------------------------------------ adapters
+
+    def add(self, name: str, folder: str) -> Adapter:
+        """Load (or replace) adapter `name` from `folder`; refused if it was made for another base or width."""
+        if not name or name == self.base_name or "/" in name:
+            raise FrontError(400, f"adapter name {name!r} is taken or invalid: use a name other than the base's.")
+        config = _read_config(folder)
+        self._check_fits(name, folder, config)
+        with self.lock:
+            if self.model is None:
+                self.model = PeftModel.from_pretrained(self.base, folder, adapter_name=name)
+            else:
+                if name in self.model.peft_config:
+                    self.model.delete_adapter(name)
+                self.model.load_adapter(folder, adapter_name=name)
+            self.model.eval()
+            chat = config.get("chat_format") or "template"
+            self.adapters[name] = Adapter(name, folder, int(config["num_virtual_tokens"]), chat)
+        return self.adapters[name]
+
+    def remove(self, name: str) -> None:
+        with self.lock:
+            if name not in self.adapters:
+                raise FrontError(404, f"adapter {name!r} is not served here; serving {sorted(self.adapters)}.")
+            del self.adapters[name]
+            self.model.delete_adapter(name)
+
+    def _check_fits(self, name: str, folder: str, config: dict) -> None:
+        trained_on = config.get("base_model_name_or_path") or ""
+        other = os.path.basename(os.path.normpath(trained_on)) if trained_on else ""
+        if other and other != self.base_name:
+            raise FrontError(
+                400,
+                f"adapter {name!r} ({folder}) was trained on {trained_on!r}, not on this server's base "
+                f"{self.base_path!r}. Serve it with a front started on that base.",
+            )
+        from safetensors import safe_open
+
+        from .._names import SAVED_KEY, WEIGHT_FILES
+
+        weights = os.path.join(folder, WEIGHT_FILES[0])
+        if os.path.isfile(weights):
+            with safe_open(weights, framework="pt") as handle:
+                width = handle.get_slice(SAVED_KEY).get_shape()[-1]
+            if width != self.base.config.hidden_size:
+                raise FrontError(
+                    400,
+                    f"adapter {name!r} ({folder}) holds a prompt {width} wide, but this base's hidden size is "
+                    f"{self.base.config.hidden_size}: it was trained on another model.",
+                )
+
+    # ------------------------------------------------------------------ requests
+
+    def resolve(self, model: str) -> Optional[Adapter]:
+        """The adapter a request's `model` names, or None for the base by its own name."""
+        if model == self.base_name or model == self.base_path:
+            return None
+        if model not in self.adapters:
+            raise FrontError(
+                404,
+                f"model {model!r} is not served here; serving the base {self.base_name!r} and adapters "
+                f"{sorted(self.adapters)}.",
+            )
+        return self.adapters[model]
+
+    def chat_text(self, adapter: Optional[Adapter], messages: list) -> str:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise FrontError(400, "`messages` must be a list of {role, content} objects.")
+        if adapter is not None and adapter.chat_format == "student":
+            return student_text(self.tokenizer, messages)  # never the template's default system prompt
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def token_ids(self, text: str) -> list[int]:
+        if not isinstance(text, str) or not text:
+            raise FrontError(400, f"`prompt` must be non-empty text, got {text!r}.")
+        return self.tokenizer(text)["input_ids"]
+
+    def check_length(self, adapter: Optional[Adapter], ids: list[int], max_tokens: int) -> None:
+        n = adapter.num_virtual_tokens if adapter is not None else 0
+        if self.max_positions is not None and n + len(ids) + max_tokens > self.max_positions:
+            raise FrontError(
+                400,
+                f"the request needs {n + len(ids) + max_tokens} positions (the prompt's {n}, the input's {len(ids)}, "
+                f"max_tokens {max_tokens}), but the model has {self.max_positions}. Shorten the input or lower "
+                "max_tokens.",
+            )
+
+    def embeds_b64(self, adapter: Adapter, ids: list[int]) -> str:
+        """The row's exact `[N+L, D]` sequence, as vLLM's server reads it: base64 of its `torch.save` bytes."""
+        with self.lock, torch.no_grad():
+            row = prompt_embeds(self.model, torch.tensor([ids]), adapter_name=adapter.name)[0]  # [N+L, D]
+        buffer = io.BytesIO()
+        torch.save(row.cpu().contiguous(), buffer)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _read_config(folder: str) -> dict:
+    path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise FrontError(400, f"{folder!r} has no {CONFIG_FILE}: not an adapter folder.")
+    with open(path) as handle:
+        config = json.load(handle)
+    if config.get("peft_type") != METHOD:
+        raise FrontError(400, f"{folder!r} holds a {config.get('peft_type')} adapter, not a {METHOD} one.")
+    return config

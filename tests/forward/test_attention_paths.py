@@ -1,0 +1,90 @@
+"""Which attention a forward runs (forward/attention.py), and that each one equals the concatenation reference:
+`sdpa_lower_right` (one prompt, no padding: no mask tensor), `sdpa_mask`/`eager_mask` (one explicit mask per forward),
+on every family, with and without checkpointing, logits and the prompt's gradient."""
+
+import pytest
+import torch
+from _versions import checkpointing_on
+from peft import get_peft_model
+from test_families import CONCAT_ONLY, VOCAB, N, reference_logits, rel
+
+from peft_softprompt_plus import SoftPromptPlusConfig
+from peft_softprompt_plus.apps.tiny import FAMILIES, tiny_family
+
+EAGER = {"gemma2"}  # soft-capping: the family's own eager code
+SLIDING = {"mistral", "gemma2"}  # windows (8) shorter than N + L in every layer: the prompt can leave a window
+SOME_SLIDING = {"qwen2"}  # its first layer is full attention (`max_window_layers=1`), the others windowed
+
+
+def _attach(family):
+    model = get_peft_model(
+        tiny_family(family, VOCAB), SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=N, init_seed=0)
+    )
+    return model, model.base_model.prompt("default")
+
+
+def _expected(family, padded: bool) -> frozenset:
+    if family in CONCAT_ONLY:
+        return frozenset({"concat"})
+    if family in EAGER:
+        return frozenset({"eager_mask"})
+    if padded or family in SLIDING:
+        return frozenset({"sdpa_mask"})
+    if family in SOME_SLIDING:  # decided per layer: the window is the layer's
+        return frozenset({"sdpa_lower_right", "sdpa_mask"})
+    return frozenset({"sdpa_lower_right"})
+
+
+@pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_kernel_equals_the_concatenation(family, padded, checkpointing):
+    model, prompt = _attach(family)
+    reference = tiny_family(family, VOCAB)
+    ids = torch.randint(2, VOCAB, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :4] = 0
+    real = mask.bool()
+    if checkpointing:
+        checkpointing_on(model.get_base_model(), reentrant=False)
+    model.train()
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    assert model.base_model.forward_state.last_kernels == _expected(family, padded)
+    copy = prompt.detach().clone().requires_grad_()
+    want = reference_logits(reference.train(), copy, ids, mask)
+    torch.testing.assert_close(logits[real], want[real], atol=1e-4, rtol=1e-4)
+    logits[real].logsumexp(-1).sum().backward()
+    want[real].logsumexp(-1).sum().backward()
+    assert rel(prompt.grad, copy.grad) <= 1e-4
+
+
+def test_the_lower_right_kernel_gives_the_mask_kernel_s_numbers():
+    # One batch through the lower-right bias, and the same batch routed to two adapters holding the same prompt (a
+    # per-row batch, so the explicit mask): equal to rounding, so the choice never changes a result.
+    model, prompt = _attach("llama")
+    model.add_adapter("twin", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=N))
+    with torch.no_grad():
+        model.base_model.prompt("twin").copy_(prompt)
+    ids = torch.randint(2, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        free = model(input_ids=ids).logits
+        assert model.base_model.forward_state.last_kernels == {"sdpa_lower_right"}
+        routed = model(input_ids=ids, adapter_names=["default", "twin"]).logits
+        assert model.base_model.forward_state.last_kernels == {"sdpa_mask"}
+    torch.testing.assert_close(free, routed, atol=1e-6, rtol=1e-6)
+
+
+def test_under_a_dispatch_mode_the_mask_path_takes_over():
+    # The lower-right bias is a tensor subclass, which can't be made inside a TorchDispatchMode (FLOP counters,
+    # memory watchers): the explicit mask computes the same attention there.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, _ = _attach("llama")
+    ids = torch.randint(2, VOCAB, (2, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        free = model(input_ids=ids).logits
+        with FlopCounterMode(display=False):
+            counted = model(input_ids=ids).logits
+        assert model.base_model.forward_state.last_kernels == {"sdpa_mask"}
+    torch.testing.assert_close(free, counted, atol=1e-6, rtol=1e-6)
