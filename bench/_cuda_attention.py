@@ -122,7 +122,11 @@ def backend_and_exactness(shape: str, state) -> list[str]:
             loss = ours(input_ids=ids, labels=ids).loss
             loss.backward()
         kernels = sorted(ours.base_model.forward_state.last_kernels)
-        lines.append(f"PASS flash only: forward+backward ran, kernels {kernels}, loss {loss.item():.4f}")
+        lines.append(f"PASS flash only, training: forward+backward ran, kernels {kernels}, loss {loss.item():.4f}")
+        with sdpa_kernel(flash_only), torch.no_grad():
+            ours(input_ids=ids, labels=ids)
+        kernels = sorted(ours.base_model.forward_state.last_kernels)
+        lines.append(f"PASS flash only, no_grad (the prompt at the attention): ran, kernels {kernels}")
     except RuntimeError as err:
         lines.append(f"MISS flash only: {str(err).splitlines()[0][:200]}")
     mask = torch.ones_like(ids)

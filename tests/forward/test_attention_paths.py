@@ -88,3 +88,29 @@ def test_under_a_dispatch_mode_the_mask_path_takes_over():
             counted = model(input_ids=ids).logits
         assert model.base_model.forward_state.last_kernels == {"sdpa_mask"}
     torch.testing.assert_close(free, counted, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral"])
+def test_a_gpu_training_step_with_one_prompt_concatenates(family, monkeypatch):
+    # bench/RESULTS.md: on a GPU the shared prompt pass makes a training step launch-bound, so `auto` concatenates
+    # there; the test stands in for the GPU. Sliding windows, inference and mixed batches keep the shared pass.
+    from peft_softprompt_plus.forward import prompted
+
+    model, prompt = _attach(family)
+    ids = torch.randint(2, VOCAB, (3, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    model.train()
+    shared = model(input_ids=ids, attention_mask=mask).logits
+    monkeypatch.setattr(prompted, "_on_gpu", lambda model: True)
+    gpu = model(input_ids=ids, attention_mask=mask).logits
+    state = model.base_model.forward_state
+    assert state.last_kernels == ({"sdpa_mask"} if family == "mistral" else {"concat"})
+    real = mask.bool()
+    torch.testing.assert_close(gpu[real], shared[real], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert "concat" not in state.last_kernels  # inference keeps the shared, stored pass
+    model.add_adapter("other", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=N))
+    model(input_ids=ids, attention_mask=mask, adapter_names=["default", "other", "default"])
+    assert "concat" not in state.last_kernels  # a mixed batch reads each row's prompt at the attention

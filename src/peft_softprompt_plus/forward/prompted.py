@@ -13,8 +13,30 @@ from . import attention, generation, routing, semantics, validation
 from . import paths as forward_paths
 
 
-def _uses_attention(tuner, route: routing.Route) -> bool:
-    """The attention path unless a config asks for concatenation or the model can't take the prompt there."""
+def _on_gpu(model) -> bool:
+    return model.get_input_embeddings().weight.is_cuda
+
+
+def _gpu_training_concatenates(tuner, route: routing.Route, paths: set, kw: dict) -> bool:
+    """`forward_path='auto'` concatenates a GPU training step with one prompt. Measured on an H200 (bench/RESULTS.md):
+    such a step is launch-bound, and the shared prompt pass runs every layer a second time, so ours took 1.3-2x
+    PEFT's; one launch sequence over `[prompt; text]`, as PEFT runs it, is the faster exact form there. Inference,
+    `generate` and mixed-adapter batches keep the shared pass (stored and reused); so do sliding-window models, on
+    which the concatenation counts a row's left padding, and `token_type_ids`, which only the attention path types."""
+    config = tuner.model.config
+    return (
+        paths == {ForwardPath.AUTO.value}
+        and route.rows is None
+        and torch.is_grad_enabled()
+        and not getattr(config, "sliding_window", None)
+        and kw.get("token_type_ids") is None
+        and _on_gpu(tuner.model)
+    )
+
+
+def _uses_attention(tuner, route: routing.Route, kw: dict) -> bool:
+    """The attention path unless a config asks for concatenation, the model can't take the prompt there, or a GPU
+    training step is faster concatenated."""
     paths = {tuner.peft_config[a].forward_path for a in route.adapters}
     state = tuner.forward_state
     sharded = state.attention_path and forward_paths.fsdp2_sharded(tuner.model)  # `fully_shard` runs after attach
@@ -27,6 +49,7 @@ def _uses_attention(tuner, route: routing.Route) -> bool:
             "(forward_path='concat')."
         )
     concat = ForwardPath.CONCAT.value in paths or not state.attention_path or sharded
+    concat = concat or _gpu_training_concatenates(tuner, route, paths, kw)
     routing.check_routable(route, concat)
     if not concat:
         state.ensure_attention(tuner.model)
@@ -86,7 +109,7 @@ def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_nam
     rows = forward_paths.RowPrompts([tuner.prompt_for_use(a) for a in route.adapters], route.rows, names)
     longest = max(p.shape[0] for p in rows.prompts)
     semantics.check_fits(longest, text.shape[1], semantics.max_positions(tuner.model.config))
-    if _uses_attention(tuner, route):
+    if _uses_attention(tuner, route, kw):
         in_text = task.prompt_in_text(tuner.model, labels, kw)
         # Inference reuses each adapter's stored prompt pass, as generate does: serving pays for the text alone.
         reuse = not (in_text or tuner.model.training or torch.is_grad_enabled())
@@ -112,7 +135,7 @@ def generate(tuner, args: tuple, adapter_names, kwargs: dict):
     if not route.adapters:
         return tuner.model.generate(*args, **kwargs)
     _task_for(tuner, route.adapters)
-    if not _uses_attention(tuner, route):
+    if not _uses_attention(tuner, route, kwargs):
         return generation.generate_concat(tuner.model, tuner.prompt_for_use(route.adapters[0]), args, kwargs)
     prompts = [tuner.prompt_for_use(a) for a in route.adapters]
     prompt_kv, _ = _stored_passes(tuner, route, forward_paths.RowPrompts(prompts, route.rows))

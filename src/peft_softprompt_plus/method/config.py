@@ -131,7 +131,8 @@ class SoftPromptPlusConfig(PeftConfig):
         metadata={
             "help": "`shared_kv` runs the prompt once per forward and hands its keys/values to every attention "
             "layer (gradient checkpointing on or off); `concat` concatenates the prompt to every row; `auto` takes "
-            "shared_kv where the model's attention runs through transformers' attention registry, else concat."
+            "shared_kv where the model's attention runs through transformers' attention registry, else concat, and "
+            "concat for a training step with one prompt on a GPU (faster there: bench/RESULTS.md)."
         },
     )
     chat_format: Optional[str] = field(
