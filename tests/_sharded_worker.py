@@ -182,6 +182,9 @@ def main() -> None:
         outputs, forward_error = _attempt(functools.partial(wrapped, input_ids=ids[rows], attention_mask=mask[rows]))
         if forward_error is not None:  # a refused forward path: the test reads the message
             torch.save({"forward_error": forward_error}, os.path.join(args.out, f"rank{rank}.pt"))
+            # Every rank refuses alike; meet before tearing gloo down, or a rank that is still sending aborts
+            # ("terminate called without an active exception", seen once in CI).
+            dist.barrier()
             dist.destroy_process_group()
             return
         loss = loss_of(outputs.logits, ids[rows], mask[rows], mask, world_size)
