@@ -249,3 +249,15 @@ def test_the_cli_refuses_before_loading_anything(stack, argv, words, capsys, mon
     args = ["serve", "--base", stack["base"], *argv] if argv[0] != "--base" else ["serve", *argv]
     assert main(args) == 2
     assert words in capsys.readouterr().err
+
+
+def test_several_prompts_are_one_upstream_request_each_numbered_like_openai(stack):
+    front, record = stack["front"], stack["record"]
+    record.clear()
+    answer = stack["client"].completions.create(model="plain", prompt=["the cat", "a dog ran"], max_tokens=3)
+    assert [c.index for c in answer.choices] == [0, 1] and answer.usage.completion_tokens == 4
+    sent = sorted((_sent_embeds(body) for body in record), key=len)
+    for text, tensor in zip(["the cat", "a dog ran"], sent, strict=True):
+        assert torch.equal(tensor, _expected(front, "plain", front.tokenizer(text)["input_ids"]))
+    with pytest.raises(openai.BadRequestError, match="one prompt per request"):
+        stack["client"].completions.create(model="plain", prompt=["a", "b"], max_tokens=2, stream=True)

@@ -75,11 +75,23 @@ def build_app(front: Front, upstream: str, upstream_model: str, api_key: Optiona
         body = await _json(request)
         adapter = front.resolve(body.get("model"))
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise FrontError(400, f"`prompt` must be one text (a string), got {type(prompt).__name__}.")
-        return await _forward(body, adapter, front.token_ids(prompt), chat=False)
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise FrontError(400, f"`prompt` must be a text or a list of texts, got {prompt!r:.80}.")
+        if len(prompts) == 1:
+            return await _forward(body, adapter, front.token_ids(prompts[0]), chat=False)
+        if body.get("stream"):
+            raise FrontError(400, f"`stream` takes one prompt per request, got {len(prompts)}: send them one by one.")
+        # Several prompts: one upstream request each (vLLM batches them), the choices numbered as OpenAI numbers
+        # them (prompt i's choice c is i * n + c).
+        answers = await asyncio.gather(*(_forward(body, adapter, front.token_ids(p), chat=False) for p in prompts))
+        n = body.get("n") or 1
+        choices = [{**c, "index": i * n + c["index"]} for i, a in enumerate(answers) for c in a["choices"]]
+        usage = {
+            k: sum((a.get("usage") or {}).get(k, 0) for a in answers)
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+        }
+        return {**answers[0], "choices": choices, "usage": usage}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
