@@ -199,8 +199,9 @@ def main_run(out: str) -> int:
 
     path = fetch_checkpoint("smollm2")
     folders = build_adapters(path, out)
-    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(path)
-    rows = texts(tokenizer)
+    from transformers import AutoTokenizer
+
+    rows = texts(AutoTokenizer.from_pretrained(path))
     ids, ours, embeds, tokenizer = library_generate(path, folders, rows)
     eos = tokenizer.eos_token_id
     changed = sum(ours[n][i] != ours["base"][i] for n in folders for i in range(len(rows)))
@@ -311,7 +312,9 @@ def main_run(out: str) -> int:
     import vllm
 
     report["vllm"] = vllm.__version__
-    report["transformers"] = __import__("transformers").__version__
+    import transformers
+
+    report["transformers"] = transformers.__version__
     print(json.dumps(report, indent=1))
     with open(os.path.join(out, "report.json"), "w") as handle:
         json.dump(report, handle, indent=1)

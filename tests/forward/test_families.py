@@ -56,6 +56,19 @@ def reference_logits(base, prompt, ids, mask):
     return logits[:, num_prompt:] if logits.dim() == 3 else logits
 
 
+def assert_equals_reference(logits, prompt, reference, ids, mask):
+    """Training-mode logits `[B, L, V]` on the real positions, and the prompt's gradient from a loss over them, equal
+    the concatenation reference's."""
+    real = mask.bool()
+    copy = prompt.detach().clone().requires_grad_()
+    want = reference_logits(reference.train(), copy, ids, mask)
+    torch.testing.assert_close(logits[real], want[real], atol=1e-4, rtol=1e-4)
+    # A loss over every real position reaches the prompt through every layer.
+    logits[real].logsumexp(-1).sum().backward()
+    want[real].logsumexp(-1).sum().backward()
+    assert rel(prompt.grad, copy.grad) <= 1e-4
+
+
 def attach(family):
     model = get_peft_model(
         tiny_family(family, VOCAB), SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=N, init_seed=0)
@@ -89,19 +102,12 @@ def test_left_padded_logits_and_gradient_equal_concatenation(family, checkpointi
     model, prompt = attach(family)
     reference = tiny_family(family, VOCAB)
     ids, mask = batch()
-    real = mask.bool()
     if checkpointing:
         checkpointing_on(model.get_base_model(), reentrant=checkpointing == "reentrant")
     model.train()
     logits = model(input_ids=ids, attention_mask=mask).logits
     assert logits.shape == (3, 12, VOCAB)
-    copy = prompt.detach().clone().requires_grad_()
-    want = reference_logits(reference.train(), copy, ids, mask)
-    torch.testing.assert_close(logits[real], want[real], atol=1e-4, rtol=1e-4)
-    # A loss over every real position reaches the prompt through every layer.
-    logits[real].logsumexp(-1).sum().backward()
-    want[real].logsumexp(-1).sum().backward()
-    assert rel(prompt.grad, copy.grad) <= 1e-4
+    assert_equals_reference(logits, prompt, reference, ids, mask)
 
 
 def test_greedy_generate_equals_a_no_cache_loop(family):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import os
 import threading
 from dataclasses import dataclass
@@ -18,8 +17,8 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .._names import CONFIG_FILE, METHOD
 from ..distill.data import student_text
+from ..files.inspect_adapter import read_adapter
 from ..integrations.serving import prompt_embeds
 
 
@@ -59,8 +58,11 @@ class Front:
         """Load (or replace) adapter `name` from `folder`; refused if it was made for another base or width."""
         if not name or name == self.base_name or "/" in name:
             raise FrontError(400, f"adapter name {name!r} is taken or invalid: use a name other than the base's.")
-        config = _read_config(folder)
-        self._check_fits(name, folder, config)
+        try:
+            config, prompt = read_adapter(folder)  # [N, D], checked as a SOFTPROMPT_PLUS adapter
+        except (ValueError, OSError) as err:
+            raise FrontError(400, str(err)) from err
+        self._check_fits(name, folder, config, prompt.shape[-1])
         with self.lock:
             if self.model is None:
                 self.model = PeftModel.from_pretrained(self.base, folder, adapter_name=name)
@@ -80,7 +82,7 @@ class Front:
             del self.adapters[name]
             self.model.delete_adapter(name)
 
-    def _check_fits(self, name: str, folder: str, config: dict) -> None:
+    def _check_fits(self, name: str, folder: str, config: dict, width: int) -> None:
         trained_on = config.get("base_model_name_or_path") or ""
         other = os.path.basename(os.path.normpath(trained_on)) if trained_on else ""
         if other and other != self.base_name:
@@ -89,20 +91,12 @@ class Front:
                 f"adapter {name!r} ({folder}) was trained on {trained_on!r}, not on this server's base "
                 f"{self.base_path!r}. Serve it with a front started on that base.",
             )
-        from safetensors import safe_open
-
-        from .._names import SAVED_KEY, WEIGHT_FILES
-
-        weights = os.path.join(folder, WEIGHT_FILES[0])
-        if os.path.isfile(weights):
-            with safe_open(weights, framework="pt") as handle:
-                width = handle.get_slice(SAVED_KEY).get_shape()[-1]
-            if width != self.base.config.hidden_size:
-                raise FrontError(
-                    400,
-                    f"adapter {name!r} ({folder}) holds a prompt {width} wide, but this base's hidden size is "
-                    f"{self.base.config.hidden_size}: it was trained on another model.",
-                )
+        if width != self.base.config.hidden_size:
+            raise FrontError(
+                400,
+                f"adapter {name!r} ({folder}) holds a prompt {width} wide, but this base's hidden size is "
+                f"{self.base.config.hidden_size}: it was trained on another model.",
+            )
 
     # ------------------------------------------------------------------ requests
 
@@ -147,14 +141,3 @@ class Front:
         buffer = io.BytesIO()
         torch.save(row.cpu().contiguous(), buffer)
         return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _read_config(folder: str) -> dict:
-    path = os.path.join(folder, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise FrontError(400, f"{folder!r} has no {CONFIG_FILE}: not an adapter folder.")
-    with open(path) as handle:
-        config = json.load(handle)
-    if config.get("peft_type") != METHOD:
-        raise FrontError(400, f"{folder!r} holds a {config.get('peft_type')} adapter, not a {METHOD} one.")
-    return config

@@ -127,16 +127,9 @@ def check_folder(folder: str, base: Optional[nn.Module]) -> None:
         raise AdapterFileError(problem)
 
 
-class BaseState:
+class BaseState(BaseSettings):
     """What attaching changes on a base model, to hand it back unchanged after a load that failed half-way: the
-    settings prompting changes (`BaseSettings`), and any `modules_to_save` copies PEFT put in."""
-
-    def __init__(self, model: nn.Module):
-        self.settings = BaseSettings.capture(model)
-
-    @classmethod
-    def capture(cls, model: nn.Module) -> "BaseState":
-        return cls(model)
+    settings prompting changes, and any `modules_to_save` copies PEFT put in."""
 
     def restore(self, model: nn.Module) -> None:
         from peft.utils.other import AuxiliaryTrainingWrapper
@@ -145,7 +138,7 @@ class BaseState:
             if isinstance(module, AuxiliaryTrainingWrapper):  # `modules_to_save` copies: put the original back
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, module.original_module)
-        self.settings.restore(model)
+        super().restore(model)
 
 
 def loading_from(tuner, model_id, kwargs: dict):

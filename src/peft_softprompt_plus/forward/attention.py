@@ -172,21 +172,23 @@ def _attention_function(kernel_name: str) -> Callable:
             )
         prompt_k, prompt_v = prompt_kv.layers[module]
         window = kwargs.get("sliding_window") or None
-        if not additive and kernels.lower_right_fits(prompt_kv, query, key, attention_mask, window, kwargs):
-            out = kernels.lower_right(module, query, (prompt_k, prompt_v), (key, value), kwargs)
-            if out is not None:
-                prompt_kv.kernels.add("sdpa_lower_right")
-                return out
-        mask = prompt_kv.mask(attention_mask, query, key, window, additive)
-        if not additive and _decoding(query, kwargs):
+        lower_right = not additive and kernels.lower_right_fits(prompt_kv, query, key, attention_mask, window, kwargs)
+        if not lower_right and not additive and _decoding(query, kwargs):
             prompt_kv.kernels.add("sdpa_split")
+            mask = prompt_kv.mask(attention_mask, query, key, window, additive)
             return kernels.split_attention(
                 prompt_kv, query, (prompt_k, prompt_v), (key, value), mask, kwargs.get("scaling")
             )
-        prompt_kv.kernels.add(f"{kernel_name}_mask")
-        batch = query.shape[0]
+        batch, text_key = query.shape[0], key
         key = torch.cat([prompt_kv.for_rows(prompt_k, batch).to(key.dtype), key], dim=2)  # [B, Hkv, N+kv, hd]
         value = torch.cat([prompt_kv.for_rows(prompt_v, batch).to(value.dtype), value], dim=2)
+        if lower_right:
+            out = kernels.lower_right(query, key, value, kwargs)
+            if out is not None:
+                prompt_kv.kernels.add("sdpa_lower_right")
+                return out
+        prompt_kv.kernels.add(f"{kernel_name}_mask")
+        mask = prompt_kv.mask(attention_mask, query, text_key, window, additive)
         return kernel(module, query, key, value, mask, **kwargs)
 
     return attend

@@ -24,32 +24,24 @@ def lower_right_fits(prompt_kv, query, key, attention_mask, window, kwargs) -> b
     )
 
 
-def lower_right(module, query, prompt: tuple, text: tuple, kwargs):
+def lower_right(query, key, value, kwargs):
     """`[prompt; text]` attention without a mask tensor: with one prompt and no padding, key j is visible to query i
     iff j <= i + N, the causal pattern aligned to the lower right. On CUDA SDPA runs it with the flash kernel (with
-    autograd); on the CPU it builds the same mask as the explicit path. `query` `[B, H, q, hd]`; `prompt` a
-    `[1, Hkv, N, hd]` pair; `text` a `[B, Hkv, q, hd]` pair. Returns the kernel's `([B, q, H, hd], None)`, or None
-    where the bias can't be made (under a TorchDispatchMode: a FLOP counter, a memory watcher), for the mask path."""
+    autograd); on the CPU it builds the same mask as the explicit path. `query` `[B, H, q, hd]`; `key`, `value`
+    `[B, Hkv, N+q, hd]`, the prompt's in front. Returns the kernel's `([B, q, H, hd], None)`, or None where the bias
+    can't be made (under a TorchDispatchMode: a FLOP counter, a memory watcher), for the mask path."""
     from torch.nn.attention.bias import causal_lower_right
 
-    (prompt_k, prompt_v), (key, value) = prompt, text
-    batch, heads, q, _ = query.shape
+    heads, q = query.shape[1], query.shape[2]
     try:
-        bias = causal_lower_right(q, prompt_k.shape[2] + key.shape[2])
+        bias = causal_lower_right(q, key.shape[2])
     except RuntimeError:  # "Creating a new Tensor subclass CausalBias ..." inside a dispatch mode
         return None
-    key = torch.cat([prompt_k.expand(batch, *prompt_k.shape[1:]).to(key.dtype), key], dim=2)  # [B, Hkv, N+q, hd]
-    value = torch.cat([prompt_v.expand(batch, *prompt_v.shape[1:]).to(value.dtype), value], dim=2)
     if key.shape[1] != heads:  # GQA: the bias takes no `enable_gqa`, so the key/value heads are repeated
         key = key.repeat_interleave(heads // key.shape[1], dim=1)
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     out = nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=bias,
-        dropout_p=kwargs.get("dropout", 0.0),
-        scale=kwargs.get("scaling"),
+        query, key, value, attn_mask=bias, dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling")
     )  # [B, H, q, hd]
     return out.transpose(1, 2).contiguous(), None
 
