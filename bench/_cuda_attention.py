@@ -157,6 +157,39 @@ def backend_and_exactness(shape: str, state) -> list[str]:
     return lines
 
 
+def flash_attention_2(shape: str, state) -> list[str]:
+    """A model loaded with `flash_attention_2` keeps flash while attached (forward/flash.py): with flash-attn
+    installed, a left-padded batch and a mixed-adapter batch run flash-attn's varlen kernel and equal the sdpa path
+    in bf16."""
+    import importlib.util
+
+    if DEV != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        return ["info flash_attention_2: flash-attn not installed here; tests/forward/test_flash.py checks the path "
+                "against a pure-torch stand-in on the CPU"]  # fmt: skip
+    ids = torch.randint(2, VOCAB_DRAW, (4, LENGTHS[0]), device=DEV, generator=torch.Generator(DEV).manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    logits, kernels = {}, {}
+    for implementation in ("flash_attention_2", "sdpa"):
+        base = _base(shape, state)
+        base.set_attn_implementation(implementation)
+        model = get_peft_model(base, SoftPromptPlusConfig(num_virtual_tokens=20, init_seed=0)).eval()
+        model.add_adapter("other", SoftPromptPlusConfig(num_virtual_tokens=12, init_seed=1))
+        with torch.no_grad():
+            padded = model(input_ids=ids, attention_mask=mask).logits.float()
+            mixed = model(input_ids=ids, adapter_names=["default", "other", "__base__", "other"]).logits.float()
+        logits[implementation] = padded, mixed
+        kernels[implementation] = sorted(model.base_model.forward_state.last_kernels)
+    real = mask.bool()
+    worst = max(
+        (logits["flash_attention_2"][0][real] - logits["sdpa"][0][real]).abs().max().item(),
+        (logits["flash_attention_2"][1] - logits["sdpa"][1]).abs().max().item(),
+    )
+    verdict = "PASS" if kernels["flash_attention_2"] == ["flash_varlen"] and worst <= 0.25 else "MISS"
+    return [f"{verdict} flash_attention_2 kept: kernels {kernels['flash_attention_2']}, max |logit diff| vs sdpa "
+            f"{worst:.3f} (bf16, <= 0.25)"]  # fmt: skip
+
+
 def speed(shape: str, state, deadline: float, reps: int) -> list[dict]:
     rows = []
     tokens = SHAPES[shape][1]
@@ -223,8 +256,9 @@ def run(seconds: float, reps: int, shapes=None) -> int:
     all_rows, checks = [], []
     for shape in shapes or tuple(SHAPES):
         state = {k: v.clone() for k, v in _base(shape).state_dict().items()}
-        checks += [f"[{shape}] {line}" for line in backend_and_exactness(shape, state)]
-        print("\n".join(checks[-3:]), flush=True)
+        lines = backend_and_exactness(shape, state) + flash_attention_2(shape, state)
+        checks += [f"[{shape}] {line}" for line in lines]
+        print("\n".join(checks[-4:]), flush=True)
         print(HEADER, flush=True)
         all_rows += speed(shape, state, deadline, reps)
         del state

@@ -1,7 +1,8 @@
 """The prompt at the attention: each layer's attention reads the prompt's keys/values from a forward keyword.
 
 While an adapter is attached, the model's `config._attn_implementation` names one of our registered functions
-(`softprompt_plus_sdpa` or `softprompt_plus_eager`). Given a `PromptKV` under the keyword `KWARG`, it either records
+(`softprompt_plus_sdpa`, `softprompt_plus_eager`, or `softprompt_plus_fa2`/`fa3` for a model loaded with flash
+attention, which keeps flash: flash.py). Given a `PromptKV` under the keyword `KWARG`, it either records
 the layer's keys/values (the prompt pass) or puts the prompt's in front of the text's (the text pass and every
 `generate` step). Without the keyword it is the plain kernel, so a disabled adapter computes the base model.
 The keyword travels with the layer's other arguments, so a checkpointed layer's recomputation reads the same tensors.
@@ -12,124 +13,21 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, flash_attention_mask, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from . import kernels
+from . import flash, kernels
+from .prompt_kv import PromptKV
 
 logger = logging.getLogger(__name__)
 
 KWARG = "softprompt_plus_kv"
 PREFIX = "softprompt_plus_"
-
-
-@dataclass
-class PromptKV:
-    """One forward's prompt keys/values for every attention layer, and which rows read which prompt.
-
-    `layers[module]` holds `([A, Hkv, N, hd], [A, Hkv, N, hd])` for A prompts of at most N positions; prompt `a` has
-    `lengths[a]` real positions (the rest is padding no query reads). `rows[b]` is the prompt row `b` reads (-1: none);
-    None means every row reads prompt 0. `query_offset` is the index of the first query in the text (decode steps);
-    `positions` `[B, q]` are the queries' position ids, which count real tokens only (a sliding window measures the
-    prompt-to-text distance with them, so left padding never pushes the prompt out of a window).
-    """
-
-    lengths: torch.Tensor  # [A]
-    rows: Optional[torch.Tensor] = None  # [B]
-    capturing: bool = False
-    query_offset: int = 0
-    layers: dict = field(default_factory=dict)
-    positions: Optional[torch.Tensor] = None  # [B, q]
-    kernels: set = field(default_factory=set)  # which attention ran, for the record: see `_attention_function`
-    _masks: dict = field(default_factory=dict)
-
-    @classmethod
-    def stack(cls, single: list["PromptKV"], rows: Optional[torch.Tensor]) -> "PromptKV":
-        """One `PromptKV` over several one-prompt ones (right-padded to the longest), read by `rows`."""
-        if len(single) == 1:
-            return cls(single[0].lengths, rows, layers=single[0].layers)
-        width = max(kv.max_length for kv in single)
-
-        def padded(tensors):  # each [1, Hkv, N_a, hd] -> [A, Hkv, N, hd]
-            return torch.cat([nn.functional.pad(t, (0, 0, 0, width - t.shape[2])) for t in tensors])
-
-        layers = {
-            module: (padded([kv.layers[module][0] for kv in single]), padded([kv.layers[module][1] for kv in single]))
-            for module in single[0].layers
-        }
-        return cls(torch.cat([kv.lengths for kv in single]), rows, layers=layers)
-
-    def row_lengths(self, batch: int, device) -> torch.Tensor:
-        """`[B]` prompt positions each row reads (0 for a row without a prompt)."""
-        lengths = self.lengths.to(device)
-        if self.rows is None:
-            return lengths.expand(batch)
-        return torch.where(self.rows_mask(batch, device), self.for_rows(lengths, batch), 0)
-
-    def at(self, query_offset: int, positions: Optional[torch.Tensor] = None) -> "PromptKV":
-        """The same prompt keys/values for a forward whose first query sits at `query_offset` (a decode step), its
-        queries at `positions` `[B, q]`."""
-        return PromptKV(self.lengths, self.rows, False, query_offset, self.layers, positions, self.kernels)
-
-    def for_rows(self, tensor: torch.Tensor, batch: int) -> torch.Tensor:
-        return gather_rows(tensor, self.rows, batch)
-
-    def mask(self, text_mask, query: torch.Tensor, key: torch.Tensor, window: Optional[int], additive: bool):
-        """`[b, 1, q, N+kv]`: the prompt's columns in front of the text's mask, in the kernel's form; once per forward
-        for each distinct text mask (layers share it)."""
-        cache_key = (id(text_mask) if text_mask is not None else None, query.shape[2], key.shape[2], window, additive)
-        if cache_key not in self._masks:
-            self._masks[cache_key] = self._build_mask(text_mask, query, key, window, additive)
-        return self._masks[cache_key]
-
-    def blocked(self, mask: torch.Tensor) -> torch.Tensor:
-        """`~mask` as `[b, 1, 1, q, N+kv]`, for the split form's grouped scores; once per forward."""
-        cache_key = ("blocked", id(mask))
-        if cache_key not in self._masks:
-            self._masks[cache_key] = ~mask[:, :, None]
-        return self._masks[cache_key]
-
-    def _build_mask(self, text_mask, query, key, window, additive):
-        device, (batch, q, kv), width = query.device, (query.shape[0], query.shape[2], key.shape[2]), self.max_length
-        t = torch.arange(q, device=device) + self.query_offset  # [q] each query's index in the text
-        if text_mask is None:  # sdpa skipped an all-causal mask: the text part is causal (and windowed)
-            s = torch.arange(kv, device=device) + (self.query_offset + q - kv)  # [kv] each text key's index
-            allowed = (s[None] <= t[:, None]) & ((t[:, None] - s[None] < window) if window else True)
-            text = allowed[None, None]  # [1, 1, q, kv]
-        else:
-            text = text_mask == 0 if additive else text_mask  # [b, 1, q, kv] True = attend
-        lengths = self.lengths.to(device) if self.rows is None else self.row_lengths(batch, device)  # [1] or [B]
-        j = torch.arange(width, device=device)  # [N] prompt key index
-        prompt = j[None, None, None, :] < lengths[:, None, None, None]  # [b', 1, 1, N]
-        if window:
-            # Prompt key j is inside a query's window when their distance is < W; a query's position id is its
-            # distance from the prompt's start counting real tokens only (as in the row alone). Without position
-            # ids, query t sits at index length + t.
-            if self.positions is not None:
-                distance = self.positions.to(device)[:, None, :, None] - j  # [B, 1, q, N]
-            else:
-                distance = lengths[:, None, None, None] + t[None, None, :, None] - j  # [b', 1, q, N]
-            prompt = prompt & (distance < window)
-        rows = max(prompt.shape[0], text.shape[0])
-        allowed = torch.cat([prompt.expand(rows, 1, q, width), text.expand(rows, 1, q, kv)], dim=-1)  # [b, 1, q, N+kv]
-        if not additive:
-            return allowed
-        zero = torch.zeros((), dtype=query.dtype, device=device)
-        return zero.masked_fill(~allowed, torch.finfo(query.dtype).min)
-
-    def rows_mask(self, batch: int, device) -> torch.Tensor:
-        rows = self.rows.to(device)
-        return (rows >= 0).repeat_interleave(batch // rows.shape[0])  # [batch]
-
-    @property
-    def max_length(self) -> int:
-        return next(iter(self.layers.values()))[0].shape[2]
 
 
 # ---------------------------------------------------------------------------------------------- the kernels
@@ -146,15 +44,19 @@ def _family_eager(module: nn.Module) -> Callable:
     return fn
 
 
-# Our name -> (the kernel it calls, whether its mask is additive, the mask builder transformers uses for it)
-_KERNELS: dict[str, tuple[Callable[[nn.Module], Callable], bool, Callable]] = {
-    "sdpa": (lambda module: sdpa_attention_forward, False, sdpa_mask),
-    "eager": (_family_eager, True, eager_mask),
-}
+def _recorded(prompt_kv: PromptKV, module: nn.Module) -> tuple:
+    if module not in prompt_kv.layers:
+        raise RuntimeError(
+            f"{type(module).__name__} attends to text but recorded no prompt keys/values in the prompt pass; the "
+            "model's layers don't all route attention alike. Use `forward_path='concat'` for this model."
+        )
+    return prompt_kv.layers[module]  # [A, Hkv, N, hd] each
 
 
-def _attention_function(kernel_name: str) -> Callable:
-    kernel_of, additive, _ = _KERNELS[kernel_name]
+def _masked_function(kernel_name: str, kernel_of: Callable[[nn.Module], Callable], mask_free: bool) -> Callable:
+    """sdpa and eager: the prompt's keys in front of the text's, read under one explicit additive mask per forward;
+    `mask_free` (sdpa) also reads them with no mask tensor (the lower-right bias) or split from the text's (decode
+    steps)."""
 
     def attend(module, query, key, value, attention_mask, **kwargs):
         prompt_kv: Optional[PromptKV] = kwargs.pop(KWARG, None)
@@ -165,17 +67,12 @@ def _attention_function(kernel_name: str) -> Callable:
             # The first record stands: a checkpointed prompt pass records again when backward recomputes it.
             prompt_kv.layers.setdefault(module, (key, value))  # [A, Hkv, N, hd] each
             return kernel(module, query, key, value, attention_mask, **kwargs)
-        if module not in prompt_kv.layers:
-            raise RuntimeError(
-                f"{type(module).__name__} attends to text but recorded no prompt keys/values in the prompt pass; the "
-                "model's layers don't all route attention alike. Use `forward_path='concat'` for this model."
-            )
-        prompt_k, prompt_v = prompt_kv.layers[module]
+        prompt_k, prompt_v = _recorded(prompt_kv, module)
         window = kwargs.get("sliding_window") or None
-        lower_right = not additive and kernels.lower_right_fits(prompt_kv, query, key, attention_mask, window, kwargs)
-        if not lower_right and not additive and _decoding(query, kwargs):
+        lower_right = mask_free and kernels.lower_right_fits(prompt_kv, query, key, attention_mask, window, kwargs)
+        if not lower_right and mask_free and _decoding(query, kwargs):
             prompt_kv.kernels.add("sdpa_split")
-            mask = prompt_kv.mask(attention_mask, query, key, window, additive)
+            mask = prompt_kv.mask(attention_mask, query, key, window, additive=False)
             return kernels.split_attention(
                 prompt_kv, query, (prompt_k, prompt_v), (key, value), mask, kwargs.get("scaling")
             )
@@ -188,10 +85,46 @@ def _attention_function(kernel_name: str) -> Callable:
                 prompt_kv.kernels.add("sdpa_lower_right")
                 return out
         prompt_kv.kernels.add(f"{kernel_name}_mask")
-        mask = prompt_kv.mask(attention_mask, query, text_key, window, additive)
+        mask = prompt_kv.mask(attention_mask, query, text_key, window, additive=True)
         return kernel(module, query, key, value, mask, **kwargs)
 
     return attend
+
+
+def _flash_function(library: str) -> Callable:
+    """flash_attention_2/3: the prompt's keys in front of the text's, causal aligned to the lower right (flash.py);
+    the mask transformers hands this kernel is the 2-D padding mask, or None."""
+
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        prompt_kv: Optional[PromptKV] = kwargs.pop(KWARG, None)
+        text_valid = attention_mask.bool() if attention_mask is not None else None  # [B, kv]
+        if prompt_kv is None or prompt_kv.capturing:
+            if prompt_kv is not None:
+                prompt_kv.layers.setdefault(module, (key, value))  # [A, Hkv, N, hd] each
+            return flash.attention(library, module, query, key, value, text_valid, kwargs)
+        prompt_k, prompt_v = _recorded(prompt_kv, module)
+        batch = query.shape[0]
+        key = torch.cat([prompt_kv.for_rows(prompt_k, batch).to(key.dtype), key], dim=2)  # [B, Hkv, N+kv, hd]
+        value = torch.cat([prompt_kv.for_rows(prompt_v, batch).to(value.dtype), value], dim=2)
+        if prompt_kv.rows is None and text_valid is None:  # one prompt, no padding: the dense kernel
+            prompt_kv.kernels.add("flash")
+            return flash.attention(library, module, query, key, value, None, kwargs)
+        prompt_kv.kernels.add("flash_varlen")
+        valid, unpadded = prompt_kv.unpadded(text_valid, query, key)
+        return flash.attention(library, module, query, key, value, valid, kwargs, unpadded)
+
+    return attend
+
+
+# Our kernel's name -> (its attention function, the mask builder transformers uses for it)
+_KERNELS: dict[str, tuple[Callable, Callable]] = {
+    "sdpa": (_masked_function("sdpa", lambda module: sdpa_attention_forward, mask_free=True), sdpa_mask),
+    "eager": (_masked_function("eager", _family_eager, mask_free=False), eager_mask),
+    **{
+        implementation: (_flash_function(library), flash_attention_mask)
+        for implementation, library in flash.LIBRARIES.items()
+    },
+}
 
 
 def _decoding(query: torch.Tensor, kwargs: dict) -> bool:
@@ -199,33 +132,31 @@ def _decoding(query: torch.Tensor, kwargs: dict) -> bool:
     return query.shape[2] <= 8 and not torch.is_grad_enabled() and not kwargs.get("dropout")
 
 
-def gather_rows(values: torch.Tensor, rows: Optional[torch.Tensor], batch: int) -> torch.Tensor:
-    """`[A, ...]` -> `[batch, ...]`: row b reads `values[rows[b]]` (-1, a row without a prompt, reads entry 0, which
-    callers mask); `batch` may be a multiple of `len(rows)` (beams, `num_return_sequences`). `rows=None`: every row
-    reads entry 0, as a view (no copy until the kernel's cat)."""
-    if rows is None:
-        return values.expand(batch, *values.shape[1:])
-    rows = rows.to(values.device).clamp(min=0)
-    return values.index_select(0, rows.repeat_interleave(batch // rows.shape[0]))
-
-
 @functools.lru_cache(maxsize=None)
 def register() -> None:
     """Our kernels under their names in transformers' public registries: done at the first attach, not at import.
     They stay registered afterwards (the registries have no public removal); only a model whose config names them
     runs them, and `uninstall` names the model's own kernel again."""
-    for kernel_name, (_, _, mask_fn) in _KERNELS.items():
-        AttentionInterface.register(PREFIX + kernel_name, _attention_function(kernel_name))
-        AttentionMaskInterface.register(PREFIX + kernel_name, mask_fn)
+    for kernel_name, (function, mask_fn) in _KERNELS.items():
+        AttentionInterface.register(_registered_name(kernel_name), function)
+        AttentionMaskInterface.register(_registered_name(kernel_name), mask_fn)
+
+
+def _registered_name(kernel_name: str) -> str:
+    # transformers treats any implementation named "*flash*" as a kernel it loads itself: ours go by "fa2"/"fa3".
+    return PREFIX + kernel_name.replace("flash_attention_", "fa")
 
 
 # ---------------------------------------------------------------------------------------------- model switch
 
 
 def _kernel_for(implementation: Optional[str]) -> str:
-    # Eager keeps the family's own eager code (soft-capping, `output_attentions`); every other kernel (flash, flex, a
-    # user's own) can't take a prompt that differs per row, so sdpa computes the same attention instead.
-    return "eager" if implementation == "eager" else "sdpa"
+    # Eager keeps the family's own eager code (soft-capping, `output_attentions`); flash_attention_2/3 keep flash where
+    # its package imports. Every other kernel (flex, a Hub kernel, a user's own) can't take a prompt that differs per
+    # row, so sdpa computes the same attention instead.
+    if implementation == "eager" or flash.library_for(implementation):
+        return implementation
+    return "sdpa"
 
 
 def is_installed(config) -> bool:
@@ -239,7 +170,7 @@ def install(model: nn.Module) -> str:
     kernel = _kernel_for(own)
     if kernel != own:
         log_once(f"The soft prompt enters attention through sdpa; the model's `{own}` comes back on unload().")
-    _switch(model, PREFIX + kernel)
+    _switch(model, _registered_name(kernel))
     return own
 
 

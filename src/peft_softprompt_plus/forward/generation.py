@@ -16,6 +16,7 @@ from torch import nn
 
 from . import attention, semantics, validation
 from . import paths as forward_paths
+from .prompt_kv import PromptKV
 
 
 class PromptKVStore:
@@ -24,7 +25,7 @@ class PromptKVStore:
     parameter without bumping its version counter."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[torch.Tensor, tuple[attention.PromptKV, torch.Tensor]]] = {}
+        self._entries: dict[str, tuple[torch.Tensor, tuple[PromptKV, torch.Tensor]]] = {}
 
     def get(self, adapter: str, model: nn.Module, prompt: torch.Tensor):
         """`(PromptKV, last output [1, D])` of `prompt` `[N, D]`, computed without autograd."""
@@ -40,7 +41,7 @@ class PromptKVStore:
     def stacked(self, adapters, model: nn.Module, prompts, rows):
         """The stored passes of several adapters as one `(PromptKV, [A, D])`, read by `rows`."""
         computed = [self.get(a, model, x) for a, x in zip(adapters, prompts, strict=True)]
-        return attention.PromptKV.stack([kv for kv, _ in computed], rows), torch.cat([last for _, last in computed])
+        return PromptKV.stack([kv for kv, _ in computed], rows), torch.cat([last for _, last in computed])
 
     def drop(self, adapter: Optional[str] = None) -> None:
         if adapter is None:
@@ -77,7 +78,7 @@ def _inputs(model: nn.Module, num_prompt: int, args: tuple, kwargs: dict):
 
 
 @contextlib.contextmanager
-def _prompt_at_attention(model: nn.Module, prompt_kv: attention.PromptKV):
+def _prompt_at_attention(model: nn.Module, prompt_kv: PromptKV):
     """While active, every forward of `model` reads the prompt's keys/values. A decode step's queries follow the text
     its cache has seen (the cache holds the text alone)."""
 
@@ -93,7 +94,7 @@ def _prompt_at_attention(model: nn.Module, prompt_kv: attention.PromptKV):
         handle.remove()
 
 
-def generate(model: nn.Module, prompt_kv: attention.PromptKV, args: tuple, kwargs: dict):
+def generate(model: nn.Module, prompt_kv: PromptKV, args: tuple, kwargs: dict):
     """Run `model.generate` as if the prompt behind `prompt_kv` preceded every row."""
     kwargs = dict(kwargs)
     input_ids, mask = _inputs(model, int(prompt_kv.lengths.max()), args, kwargs)

@@ -18,6 +18,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from . import attention, semantics
+from .prompt_kv import PromptKV, gather_rows
 
 
 @dataclass
@@ -31,7 +32,7 @@ class RowPrompts:
 
     def per_row(self, values: torch.Tensor, batch: int) -> torch.Tensor:
         """`[A, ...]` -> `[B, ...]`; rows without a prompt get row 0's values (callers mask them)."""
-        return attention.gather_rows(values, self.rows, batch)
+        return gather_rows(values, self.rows, batch)
 
     def has_prompt(self, batch: int, device) -> torch.Tensor:
         return torch.ones(batch, dtype=torch.bool, device=device) if self.rows is None else self.rows.to(device) >= 0
@@ -99,7 +100,7 @@ class _HandBack(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------- the prompt pass
 
 
-def prompt_pass(model: nn.Module, row_prompts: RowPrompts, in_text: int) -> tuple[attention.PromptKV, torch.Tensor]:
+def prompt_pass(model: nn.Module, row_prompts: RowPrompts, in_text: int) -> tuple[PromptKV, torch.Tensor]:
     """Run the shared prompt positions once, one row per prompt: `[A, N, D]`, right-padded to the longest.
 
     Under causal attention a prompt position never sees the text, so its keys/values are the same for every row that
@@ -109,7 +110,7 @@ def prompt_pass(model: nn.Module, row_prompts: RowPrompts, in_text: int) -> tupl
     width = max(p.shape[0] for p in shared)
     stack = torch.stack([nn.functional.pad(p, (0, 0, 0, width - p.shape[0])) for p in shared])  # [A, N, D]
     lengths = torch.tensor([p.shape[0] for p in shared], device=stack.device)  # [A]
-    record = attention.PromptKV(lengths=lengths, rows=row_prompts.rows, capturing=True)
+    record = PromptKV(lengths=lengths, rows=row_prompts.rows, capturing=True)
     pos = torch.arange(width, device=stack.device).expand(len(shared), width)  # [A, N]
     # Reentrant checkpointing runs a layer's forward without autograd, which would cut the keys/values it records
     # from the prompt; other checkpointing recomputes the pass in backward like the text's.
@@ -184,7 +185,7 @@ def attention_inputs(
     input_ids,
     inputs_embeds,
     attention_mask,
-    computed: Optional[tuple[attention.PromptKV, torch.Tensor]] = None,
+    computed: Optional[tuple[PromptKV, torch.Tensor]] = None,
 ) -> PromptedBatch:
     """The text alone, reading the prompts' keys/values at the attention; `in_text` last prompt positions (0 or 1)
     run with the text instead (their outputs then come from the model itself, loss included). `computed`: the
