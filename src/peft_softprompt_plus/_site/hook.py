@@ -16,7 +16,19 @@ LIGHT = {
     PACKAGE,
     *(
         f"{PACKAGE}.{name}"
-        for name in ("__main__", "_names", "_moved", "_site", "apps", "apps.cli", "apps.fetch", "apps.serve_args")
+        for name in (
+            "__main__",
+            "_names",
+            "_moved",
+            "_site",
+            "apps",
+            "apps.cli",
+            "apps.fetch",
+            "apps.serve_args",
+            "apps.distill_args",
+            "distill",
+            "distill.content",
+        )
     ),
     *(f"{PACKAGE}.{layer}" for layer in ("method", "forward", "gradients", "files", "integrations")),
 }

@@ -8,7 +8,7 @@ from ..distill.run import distill_prompt
 from .fetch import CHECKPOINTS, fetch_checkpoint
 
 
-def main(args, system_prompt: str, user_turns, held_out_turns) -> int:
+def main(args, system_prompt: str, user_turns, held_out_turns, probes=None) -> int:
     """`softprompt-plus distill` once its arguments are checked (cli.py): distill, print, save."""
     path = fetch_checkpoint(args.model) if args.model in CHECKPOINTS else args.model
     print(f"distilling {args.system_prompt_file} into {args.num_virtual_tokens} soft tokens of {path}", flush=True)
@@ -20,6 +20,9 @@ def main(args, system_prompt: str, user_turns, held_out_turns) -> int:
         steps=args.steps,
         user_turns=user_turns,
         held_out_turns=held_out_turns,
+        probes=probes,
+        turns_per_part=args.turns_per_part,
+        answer_weight=args.answer_weight,
         chat=not args.plain,
         batch_size=args.batch_size,
         lr=args.lr,

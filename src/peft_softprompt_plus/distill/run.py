@@ -8,13 +8,15 @@ from __future__ import annotations
 import os
 import random
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from peft import PeftModel, get_peft_model
 
 from ..forward import semantics
+from ..forward.routing import BASE
 from ..method.config import SoftPromptPlusConfig
+from . import content as distill_content
 from . import data as distill_data
 from . import score as distill_score
 from .score import CurvePoint, DistillReport, Figures
@@ -33,8 +35,17 @@ from .teacher import (
 STUDENT = "default"  # PEFT saves the adapter named "default" at the folder's top level: a normal adapter folder
 
 
-def _problems(model, user_turns, held_out_turns, counts: dict, lr, fraction, init, evaluate_at) -> list[str]:
+def _problems(model, user_turns, held_out_turns, counts: dict, lr, fraction, init, evaluate_at, how) -> list[str]:
     found = []
+    turns_per_part, answer_weight, probes = how
+    if isinstance(turns_per_part, bool) or not isinstance(turns_per_part, int) or turns_per_part < 0:
+        found.append(f"`turns_per_part` must be an int >= 0, got {turns_per_part!r}.")
+    if isinstance(answer_weight, bool) or not isinstance(answer_weight, (int, float)) or not 0 <= answer_weight <= 1:
+        found.append(f"`answer_weight` must be a number in [0, 1], got {answer_weight!r}.")
+    if probes is not None and (
+        isinstance(probes, str) or not all(isinstance(p, (str, distill_content.Probe)) for p in probes)
+    ):
+        found.append(f"`probes` must be a list of str or Probe, got {type(probes).__name__}.")
     if isinstance(model, PeftModel) or not hasattr(model, "get_input_embeddings"):
         found.append(f"`model` must be a base causal LM (not a PeftModel), got {type(model).__name__}.")
     for name, value in counts.items():
@@ -87,7 +98,7 @@ def _batches(count: int, batch_size: int, rng: random.Random):
         order = order[batch_size:]
 
 
-def _train(model, samples: DistillSamples, steps, batch_size, lr, seed, evaluate_at, evaluate, log) -> tuple:
+def _train(model, samples: DistillSamples, steps, batch_size, lr, seed, evaluate_at, evaluate, log, weight) -> tuple:
     prompt = model.base_model.prompt(STUDENT)
     # Decay would pull the prompt off the embedding manifold; the optimizer holds the student's prompt alone.
     opt = torch.optim.AdamW([prompt], lr=lr, weight_decay=0.0)
@@ -99,13 +110,12 @@ def _train(model, samples: DistillSamples, steps, batch_size, lr, seed, evaluate
     for step in range(1, steps + 1):
         started, started_cpu = time.perf_counter(), time.process_time()
         batch = distill_score.scored_batch([samples.train[i] for i in next(picks)], pad, device)
-        teacher = distill_score.teacher_logits(model, batch)  # [B, K, V], no autograd
-        loss = distill_score.token_kl(teacher, distill_score.student_logits(model, batch, STUDENT), batch.scored)
-        loss.mean().backward()  # mean over the batch's scored tokens
+        loss = distill_score.weighted_kl(model, batch, STUDENT, weight)
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         wall, cpu = wall + time.perf_counter() - started, cpu + time.process_time() - started_cpu
-        losses.append(loss.mean().item())
+        losses.append(loss.item())
         if step % max(1, steps // 10) == 0 or step == steps:
             log(f"step {step}/{steps}: training KL {sum(losses[-10:]) / len(losses[-10:]):.4f} ({wall:.0f} s)")
         if step in evaluate_at:
@@ -138,6 +148,9 @@ def distill_prompt(
     seed: int = 0,
     prompt_init: str = "text",
     evaluate_at: Sequence[int] = (),
+    turns_per_part: int = 0,
+    answer_weight: float = 0.0,
+    probes: Optional[Sequence[Union[str, distill_content.Probe]]] = None,
     samples: Optional[DistillSamples] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> PeftModel:
@@ -149,7 +162,10 @@ def distill_prompt(
     counts = dict(num_virtual_tokens=num_virtual_tokens, steps=steps, batch_size=batch_size)
     counts.update(samples_per_turn=samples_per_turn, held_out_samples_per_turn=held_out_samples_per_turn)
     counts.update(max_new_tokens=max_new_tokens, sampled_turns=sampled_turns)
-    problems = _problems(model, user_turns, held_out_turns, counts, lr, held_out_fraction, prompt_init, evaluate_at)
+    how = (turns_per_part, answer_weight, probes)
+    problems = _problems(
+        model, user_turns, held_out_turns, counts, lr, held_out_fraction, prompt_init, evaluate_at, how
+    )
     if problems:
         raise ValueError("distill_prompt: " + " ".join(problems))
     log = progress or (lambda line: None)
@@ -157,6 +173,7 @@ def distill_prompt(
     if samples is not None and (samples.mode, samples.prefix_ids) != (prepared.mode, prepared.prefix_ids):
         raise ValueError("`samples` were drawn for another system prompt or mode; pass samples=None to draw new ones.")
     turns = unique_turns(user_turns) if user_turns is not None else None
+    probes = [p if isinstance(p, distill_content.Probe) else distill_content.Probe(p) for p in probes or []] or None
     if turns is not None:
         train, held_out = split_turns(turns, held_out_turns, held_out_fraction, seed)
         if not train or not held_out:
@@ -164,8 +181,9 @@ def distill_prompt(
                 f"`user_turns` leave {len(train)} turn(s) to train on and {len(held_out)} held out; pass at least "
                 "two distinct turns (and held-out turns that are not all of them)."
             )
-        for turn in train + held_out:  # every turn is checked before the model changes
-            prepared.suffix_ids(tokenizer, turn)
+    given = (turns or []) + list(held_out_turns or []) + [p.question for p in probes or []]
+    for turn in given:  # every given turn is checked before the model changes
+        prepared.suffix_ids(tokenizer, turn)
     config = _init_config(tokenizer, prepared, num_virtual_tokens, seed, prompt_init)
     config.chat_format = "student" if chat else None  # how a server formats its messages (`student_inputs`)
     model = get_peft_model(model, config)
@@ -176,7 +194,8 @@ def distill_prompt(
         torch.manual_seed(seed)
         if samples is None:
             began, began_cpu = time.perf_counter(), time.process_time()
-            samples = _draw(model, tokenizer, prepared, turns, held_out_turns, held_out_fraction, seed, counts, log)
+            draw = (turns, held_out_turns, probes, turns_per_part)
+            samples = _draw(model, tokenizer, prepared, draw, held_out_fraction, seed, counts, log)
             samples.seconds = (time.perf_counter() - began, time.process_time() - began_cpu)
     gap = teacher_gap(model, prepared.prefix_ids, samples.train[0].ids)
     none = distill_score.none_figures(model, samples, pad, stops, batch_size)
@@ -184,12 +203,15 @@ def distill_prompt(
     def evaluate() -> Figures:
         return distill_score.figures(model, samples, STUDENT, pad, stops, batch_size)
 
-    curve, wall, cpu = _train(model, samples, steps, batch_size, lr, seed, set(evaluate_at), evaluate, log)
+    curve, wall, cpu = _train(
+        model, samples, steps, batch_size, lr, seed, set(evaluate_at), evaluate, log, answer_weight
+    )
     student = curve[-1].held_out if curve and curve[-1].step == steps else evaluate()
+    content = _content(model, tokenizer, prepared, samples, pad, batch_size, log)
     init = f"{config.prompt_init}" + (" (the system prompt's first tokens)" if config.prompt_init == "text" else "")
     report = DistillReport(
         prepared.mode, len(prepared.prefix_ids), num_virtual_tokens, steps, batch_size, lr, seed, init, gap,
-        student, none, wall, cpu, samples, curve,
+        student, none, wall, cpu, samples, curve, content, turns_per_part, answer_weight,
     )  # fmt: skip
     model.delete_adapter(TEACHER)
     model.softprompt_plus_metrics = report.metrics()
@@ -199,14 +221,38 @@ def distill_prompt(
     return model
 
 
-def _draw(model, tokenizer, prepared, turns, held_out_turns, fraction, seed, counts, log) -> DistillSamples:
-    """The teacher's samples: user turns (given, or written by the teacher), continuations, greedy references."""
+def _content(model, tokenizer, prepared, samples: DistillSamples, pad: int, batch_size: int, log):
+    """The content score: each reader's greedy reply to every probe; the teacher's and no prompt's are drawn once
+    and kept with the samples (a reused `samples` doesn't draw them again)."""
+    if not samples.probes:
+        return None
+    questions = [p.question for p in samples.probes]
+    log(f"content: greedy replies to {len(questions)} probe questions")
+    for reader, adapter in (("teacher", TEACHER), ("none", BASE)):
+        if reader not in samples.probe_replies:
+            samples.probe_replies[reader] = distill_content.replies(
+                model, tokenizer, prepared, questions, adapter, pad, batch_size
+            )
+    student = distill_content.replies(model, tokenizer, prepared, questions, STUDENT, pad, batch_size)
+    return distill_content.score({**samples.probe_replies, "student": student}, samples.probes, prepared.system_prompt)
+
+
+def _draw(model, tokenizer, prepared, draw: tuple, fraction, seed, counts, log) -> DistillSamples:
+    """The teacher's samples: user turns (given, or written by the teacher; with `turns_per_part`, that many questions
+    about each part of the system prompt too), continuations, greedy references, and the content probes (given, or
+    one question per part in a form no training turn uses)."""
+    turns, held_out_turns, probes, turns_per_part = draw
     pad, stops, batch = _pad_id(model), prepared.stop_ids, counts["batch_size"]
     written = turns is None
     if written:
         log(f"sampling {counts['sampled_turns']} user turns from the teacher")
         turns = sample_turns(model, tokenizer, prepared, counts["sampled_turns"], batch, pad)
-    train, held_out = split_turns(turns, None if written else held_out_turns, fraction, seed)
+    parts = distill_content.parts(prepared.system_prompt)
+    drafted = [[q for q in part.questions(turns_per_part) if _fits(prepared, tokenizer, q)] for part in parts]
+    if probes is None:  # one question per part, in a form no training turn uses
+        probes = [part.probe() for part in parts if _fits(prepared, tokenizer, part.probe().question)]
+    # The user's held-out turns stay held out even when the teacher writes the training turns.
+    train, held_out = split_turns(turns, held_out_turns, fraction, seed)
     if written:  # sampled turns are checked here; given ones were checked before the model changed
         train = [t for t in train if _fits(prepared, tokenizer, t)]
         held_out = [t for t in held_out if _fits(prepared, tokenizer, t)]
@@ -215,13 +261,16 @@ def _draw(model, tokenizer, prepared, turns, held_out_turns, fraction, seed, cou
                 f"The teacher's own user turns left {len(train)} to train on and {len(held_out)} held out; pass "
                 "`user_turns` (CLI: --user-file), or a larger `sampled_turns`."
             )
+    probed = {p.question.casefold() for p in probes}
+    train = unique_turns(train + [q for questions in drafted for q in questions])
+    train = [t for t in train if t.casefold() not in probed and t not in held_out]
     suffixes = [prepared.suffix_ids(tokenizer, t) for t in train]
     held = [prepared.suffix_ids(tokenizer, t) for t in held_out]
     log(
         f"sampling teacher continuations: {counts['samples_per_turn']} for each of {len(train)} training turns, "
         f"{counts['held_out_samples_per_turn']} for each of {len(held)} held-out turns"
     )
-    out = DistillSamples(prepared.mode, prepared.prefix_ids, train, held_out, sampled_turns=written)
+    out = DistillSamples(prepared.mode, prepared.prefix_ids, train, held_out, sampled_turns=written, probes=probes)
     length = counts["max_new_tokens"]
     out.train = sample_continuations(model, suffixes, counts["samples_per_turn"], length, pad, stops, batch)
     out.held_out = sample_continuations(model, held, counts["held_out_samples_per_turn"], length, pad, stops, batch)

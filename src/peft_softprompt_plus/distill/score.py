@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from ..forward.routing import BASE
+from .content import REPLY_TOKENS, ContentScore
 from .data import left_padded
 from .teacher import TEACHER, DistillSamples, Sample, greedy
 
@@ -45,6 +46,21 @@ def teacher_logits(model, batch: ScoredBatch) -> torch.Tensor:
 
 def student_logits(model, batch: ScoredBatch, adapter: str) -> torch.Tensor:
     return model(**batch.kwargs, adapter_names=[adapter] * batch.scored.shape[0]).logits  # [B, K, V]
+
+
+def weighted_kl(model, batch: ScoredBatch, adapter: str, answer_weight: float) -> torch.Tensor:
+    """The mean KL(teacher || student) over the batch's scored tokens; with `answer_weight` > 0 each token weighs
+    `(1 - w) + w * d / mean(d)`, d its KL(teacher || no system prompt): the tokens the system prompt decides (its
+    facts, its refusals) count more than those any reply would have."""
+    teacher = teacher_logits(model, batch)  # [B, K, V], no autograd
+    kl = token_kl(teacher, student_logits(model, batch, adapter), batch.scored)  # [P]
+    if not answer_weight:
+        return kl.mean()
+    with torch.no_grad():
+        none = model(**batch.kwargs, adapter_names=[BASE] * batch.scored.shape[0]).logits
+        decided = token_kl(teacher, none, batch.scored)  # [P]
+        weights = (1 - answer_weight) + answer_weight * decided / decided.mean().clamp(min=1e-8)
+    return (kl * weights).sum() / weights.sum()
 
 
 @torch.no_grad()
@@ -118,6 +134,9 @@ class DistillReport:
     train_cpu_seconds: float
     samples: DistillSamples
     curve: list[CurvePoint] = field(default_factory=list)
+    content: Optional[ContentScore] = None  # facts stated in greedy replies to the probes (None: no probes)
+    turns_per_part: int = 0
+    answer_weight: float = 0.0
 
     @property
     def gap_closed(self) -> float:
@@ -138,6 +157,18 @@ class DistillReport:
             f"{self.gap_closed:.1%}",
             f"  greedy agreement with the teacher: first token {s.first_token:.0%} (no system prompt "
             f"{n.first_token:.0%}), first 16 tokens {s.first_16:.0%} (no system prompt {n.first_16:.0%})",
+        ] + self._content_lines()
+
+    def _content_lines(self) -> list[str]:
+        c = self.content
+        if c is None:
+            return []
+        if not c.probes:
+            return ["content: no probe had a fact to check (the teacher's replies stated none of the prompt's words)"]
+        return [
+            f"content ({c.probes} probe questions never trained on, greedy replies of up to {REPLY_TOKENS} tokens): "
+            f"share of each probe's facts stated: teacher {c.teacher:.2f}, student {c.student:.2f}, no system "
+            f"prompt {c.none:.2f}; the student keeps {c.kept:.0%} of the teacher's gain"
         ]
 
     def metrics(self) -> dict:
@@ -151,4 +182,15 @@ class DistillReport:
             "held_out_gap_closed": round(self.gap_closed, 4),
             "greedy_first_token_agreement": round(self.student.first_token, 4),
             "greedy_first_16_agreement": round(self.student.first_16, 4),
+            **(
+                {
+                    "content_probes": self.content.probes,
+                    "content_teacher": round(self.content.teacher, 4),
+                    "content_student": round(self.content.student, 4),
+                    "content_no_system_prompt": round(self.content.none, 4),
+                    "content_kept": round(self.content.kept, 4),
+                }
+                if self.content is not None and self.content.probes
+                else {}
+            ),
         }

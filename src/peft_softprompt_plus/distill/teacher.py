@@ -77,6 +77,8 @@ class DistillSamples:
     teacher_greedy: list[list[int]] = field(default_factory=list)  # [AGREEMENT_TOKENS] per held-out turn
     sampled_turns: bool = False
     seconds: Optional[tuple[float, float]] = None  # (wall, cpu) it took to draw them
+    probes: list = field(default_factory=list)  # content.Probe: questions never trained on, scored for content
+    probe_replies: dict = field(default_factory=dict)  # "teacher" / "none" -> greedy reply per probe, drawn once
 
 
 def _normal(turn: str) -> str:
@@ -103,7 +105,7 @@ def split_turns(turns: list[str], held_out: Optional[Sequence[str]], fraction: f
     return order[count:], order[:count]
 
 
-def _generate(model, rows: list[list[int]], adapter: str, pad_id: int, stop_ids: list[int], **how) -> list[list[int]]:
+def generate_rows(model, rows: list[list[int]], adapter: str, pad_id: int, stop_ids, **how) -> list[list[int]]:
     """New tokens per row, each cut after its first stop token."""
     device = model.get_input_embeddings().weight.device
     batch = {k: v.to(device) for k, v in left_padded(rows, pad_id).items()}
@@ -116,7 +118,7 @@ def _generate(model, rows: list[list[int]], adapter: str, pad_id: int, stop_ids:
     return cut
 
 
-def _sampling(max_new_tokens: int) -> dict:
+def sampling(max_new_tokens: int) -> dict:
     # Temperature 1 and no top-k/top-p: the teacher's own distribution, the one the student must match.
     return dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens)
 
@@ -127,7 +129,7 @@ def greedy(model, prompts: list[list[int]], adapter: str, pad_id: int, stop_ids:
     out = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        new = _generate(model, chunk, adapter, pad_id, stop_ids, do_sample=False, max_new_tokens=AGREEMENT_TOKENS)
+        new = generate_rows(model, chunk, adapter, pad_id, stop_ids, do_sample=False, max_new_tokens=AGREEMENT_TOKENS)
         out.extend(row + [pad_id] * (AGREEMENT_TOKENS - len(row)) for row in new)
     return out
 
@@ -140,7 +142,7 @@ def sample_turns(model, tokenizer, prepared: Prepared, count: int, batch_size: i
     stops = list(dict.fromkeys(prepared.stop_ids + tokenizer("\n", add_special_tokens=False)["input_ids"][-1:]))
     turns: list[str] = []
     for _ in range(8 * (count // batch_size + 1)):  # a model that repeats itself must not loop for ever
-        new = _generate(model, [head] * batch_size, BASE, pad_id, stops, **_sampling(TURN_TOKENS))
+        new = generate_rows(model, [head] * batch_size, BASE, pad_id, stops, **sampling(TURN_TOKENS))
         turns = unique_turns(turns + [cut_turn(tokenizer, prepared, row) for row in new])
         if len(turns) >= count:
             return turns[:count]
@@ -161,6 +163,6 @@ def sample_continuations(
     samples = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        new = _generate(model, chunk, TEACHER, pad_id, stop_ids, **_sampling(max_new_tokens))
+        new = generate_rows(model, chunk, TEACHER, pad_id, stop_ids, **sampling(max_new_tokens))
         samples.extend(Sample(suffix + cont, len(suffix) - 1) for suffix, cont in zip(chunk, new, strict=True))
     return samples

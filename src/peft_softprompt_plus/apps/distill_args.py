@@ -1,0 +1,139 @@
+"""`softprompt-plus distill`: its arguments, and the checks made before torch is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+REAL_CHECKPOINTS = ("smollm2",)  # fetched from the package index by name (apps/fetch.py)
+
+
+def add_parser(sub) -> None:
+    distill = sub.add_parser(
+        "distill",
+        help="Compress a long system prompt into a few soft tokens of a frozen model; write the adapter.",
+        description="Prompt distillation: the frozen model reading the hard system prompt is the teacher; a soft "
+        "prompt in its place is trained on KL(teacher || student) over the assistant positions of user turns (from "
+        "--user-file, or written by the teacher) and continuations the teacher samples. Prints progress and the "
+        "held-out figures (KL against the teacher, with no system prompt as the baseline; greedy agreement), then "
+        "writes a normal adapter folder. See docs/distillation.md.",
+    )
+    distill.add_argument("--model", required=True, help="A transformers checkpoint folder, or 'smollm2'.")
+    distill.add_argument("--system-prompt-file", required=True, help="A text file holding the system prompt.")
+    distill.add_argument("--out", required=True, help="The folder to write the adapter to.")
+    distill.add_argument("--num-virtual-tokens", type=int, default=16, help="Soft tokens N (default 16).")
+    distill.add_argument("--steps", type=int, default=200, help="Optimizer steps (default 200).")
+    distill.add_argument(
+        "--user-file", default=None, help="User turns, one per line (default: the teacher writes 64 itself)."
+    )
+    distill.add_argument(
+        "--held-out-file",
+        default=None,
+        help="Held-out user turns, one per line (default: 20%% of the training turns; without --user-file the "
+        "teacher writes the training turns and these are held out).",
+    )
+    distill.add_argument(
+        "--probe-file",
+        default=None,
+        help='Content probes, one per line: a question, or {"question": ..., "facts": [...]} (default: one question '
+        "about each part of the system prompt, its facts the part's words).",
+    )
+    distill.add_argument(
+        "--turns-per-part",
+        type=int,
+        default=0,
+        help="Training turns asking about each part of the system prompt, beside the others (default 0).",
+    )
+    distill.add_argument(
+        "--answer-weight",
+        type=float,
+        default=0.0,
+        help="Weight tokens by how much the system prompt changes them, 0 (plain KL) to 1 (default 0).",
+    )
+    distill.add_argument("--plain", action="store_true", help="A plain text prefix, not the model's chat template.")
+    distill.add_argument("--batch-size", type=int, default=8, help="Rows per step (default 8).")
+    distill.add_argument("--lr", type=float, default=3e-2, help="AdamW learning rate (default 0.03).")
+    distill.add_argument("--seed", type=int, default=0, help="Random seed (default 0).")
+    distill.set_defaults(func=_distill)
+
+
+def _text_file(name: str, path: str) -> str:
+    if not os.path.isfile(path):
+        raise ValueError(f"`{name}`={path!r} is not a file. Pass the path of a UTF-8 text file.")
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def _turns(name: str, path: Optional[str]) -> Optional[list[str]]:
+    """One user turn per line; blank lines are skipped."""
+    if path is None:
+        return None
+    turns = [line.strip() for line in _text_file(name, path).splitlines() if line.strip()]
+    if not turns:
+        raise ValueError(f"`{name}`={path!r} holds no user turn. Write one user turn per line.")
+    return turns
+
+
+def _has_chat_template(folder: str) -> bool:
+    """Read from the tokenizer's files, without transformers: a `chat_template.jinja`/`.json`, a folder of named
+    templates, or a `chat_template` key in `tokenizer_config.json`."""
+    if any(os.path.exists(os.path.join(folder, n)) for n in ("chat_template.jinja", "chat_template.json")):
+        return True
+    if os.path.isdir(os.path.join(folder, "additional_chat_templates")):
+        return True
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as handle:
+            return bool(json.load(handle).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _distill(args) -> int:
+    if args.model not in REAL_CHECKPOINTS and not os.path.isdir(args.model):
+        raise ValueError(
+            f"`--model`={args.model!r} is not a folder. Pass a transformers checkpoint folder, or "
+            f"{' or '.join(REAL_CHECKPOINTS)} (a real checkpoint fetched from the package index)."
+        )
+    system_prompt = _text_file("--system-prompt-file", args.system_prompt_file).strip()
+    if not system_prompt:
+        raise ValueError(
+            f"`--system-prompt-file`={args.system_prompt_file!r} is empty. Write the system prompt to distill in it."
+        )
+    users, held_out = _turns("--user-file", args.user_file), _turns("--held-out-file", args.held_out_file)
+    probes = _probes(args.probe_file)
+    if args.turns_per_part < 0:
+        raise ValueError(f"`--turns-per-part` must be >= 0, got {args.turns_per_part}.")
+    if not 0 <= args.answer_weight <= 1:
+        raise ValueError(f"`--answer-weight` must be in [0, 1], got {args.answer_weight}.")
+    for name in ("num_virtual_tokens", "steps", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}.")
+    if not args.lr > 0:
+        raise ValueError(f"`--lr` must be > 0, got {args.lr}.")
+    if os.path.isfile(args.out):
+        raise ValueError(f"`--out`={args.out!r} is a file. Pass the folder to write the adapter to.")
+    if not args.plain and args.model not in REAL_CHECKPOINTS and not _has_chat_template(args.model):
+        raise ValueError(
+            f"`--model`={args.model!r} has no chat template in its tokenizer files, which chat mode needs to place "
+            "the system prompt. Pass --plain to distill a plain text prefix."
+        )
+    from .distill_job import main  # torch, transformers, PEFT: only now
+
+    return main(args, system_prompt, users, held_out, probes)
+
+
+def _probes(path):
+    """`--probe-file`: one probe per line, a question or `{"question": ..., "facts": [...]}`."""
+    if path is None:
+        return None
+    lines = _text_file("--probe-file", path).splitlines()
+    from ..distill.content import read_probes  # the standard library only
+
+    try:
+        probes = read_probes(lines)
+    except ValueError as err:
+        raise ValueError(f"`--probe-file`={path!r}: {err}") from err
+    if not probes:
+        raise ValueError(f"`--probe-file`={path!r} holds no question. Write one probe per line.")
+    return probes

@@ -1,0 +1,128 @@
+"""What a distilled prompt keeps of the system prompt's content (distill/content.py, and its use in distill/run.py):
+the fact words, the parts and their probes, the score against hand-computed shares, turns that cover every part, the
+answer-weighted loss, held-out turns without training turns, and the CLI's probe file."""
+
+import json
+
+import pytest
+import torch
+from test_distill import HELD_OUT, SYSTEM, USERS, _distill, base, chat_dir, tok  # noqa: F401  (fixtures)
+
+from peft_softprompt_plus.apps.cli import main as cli_main
+from peft_softprompt_plus.distill import content
+from peft_softprompt_plus.distill import score as distill_score
+from peft_softprompt_plus.distill.score import scored_batch, token_kl
+from peft_softprompt_plus.distill.teacher import TEACHER
+
+PROMPT = (
+    "You are Nora, the desk assistant of Harbor Bikes. Facts: the shop opens at 8 am; a city bike costs 1,400 cents "
+    "for a day; the trail ends at the Saltmarsh lighthouse."
+)
+
+
+def test_fact_words_drop_function_words_and_normalize_numbers():
+    assert content.words("The bike costs 1,400 cents, and it's FREE!") == {"bike", "costs", "1400", "cents", "free"}
+    assert content.words("email care@lumio.example today") == {"email", "care@lumio.example", "today"}
+
+
+def test_each_part_is_probed_in_a_form_no_training_turn_uses():
+    parts = content.parts(PROMPT)
+    phrases = ["you are Nora the desk", "the shop opens", "a city bike costs", "the trail ends"]
+    assert [p.phrase for p in parts] == phrases
+    shop = parts[1]
+    assert shop.facts == ("8",) and shop.probe().facts == ("8",)  # "am" is a function word
+    assert shop.probe().question == "What do you know about the shop opens?"
+    assert shop.probe().question not in shop.questions(len(content.TRAIN_FORMS))
+    assert shop.questions(2) == ["Can you tell me about the shop opens?", "I have a question about the shop opens."]
+
+
+def test_the_score_is_each_reader_s_share_of_the_facts():
+    probes = [content.Probe("When does it open?", ("8 am", "Tuesday")), content.Probe("Where does the trail end?")]
+    replies = {
+        "teacher": ["We open at 8 am, closed on Tuesday.", "At the Saltmarsh lighthouse."],
+        "student": ["We open at 8.", "It ends at the lighthouse."],
+        "none": ["We open at 9.", "I don't know."],
+    }
+    score = content.score(replies, probes, PROMPT)
+    # Probe 2 has no given facts: the prompt's words the teacher states beyond the question's ("saltmarsh",
+    # "lighthouse"); the student states one of them.
+    assert score.replies[1]["facts"] == ["lighthouse", "saltmarsh"]
+    assert score.teacher == 1.0 and score.student == pytest.approx((0.5 + 0.5) / 2) and score.none == 0.0
+    assert score.kept == pytest.approx(0.5) and score.probes == 2
+    empty = content.score({r: ["nothing", "nothing"] for r in replies}, [content.Probe("hi?")] * 2, PROMPT)
+    assert empty.probes == 0 and empty.kept != empty.kept  # NaN: no probe to judge by
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [('{"question": 3}', "non-empty string"), ('{"question": "x?", "facts": "8 am"}', "list of strings"),
+     ("{not json", "not valid JSON")],
+)  # fmt: skip
+def test_bad_probe_lines_are_named(line, message):
+    with pytest.raises(ValueError, match=message):
+        content.read_probes(["fine?", line])
+
+
+def test_turns_per_part_train_on_every_part_and_the_probes_stay_held_out(tok, base):  # noqa: F811
+    model = _distill(base, tok, user_turns=USERS, held_out_turns=HELD_OUT, steps=2, turns_per_part=2)
+    report = model.distill_report
+    parts = content.parts(SYSTEM)
+    drafted = [q for part in parts for q in part.questions(2)]
+    assert set(drafted) <= set(report.samples.train_turns)
+    assert [p.question for p in report.samples.probes] == [part.probe().question for part in parts]
+    assert not {p.question for p in report.samples.probes} & set(report.samples.train_turns)
+    assert report.content is not None and report.content.probes >= 1
+    assert set(report.samples.probe_replies) == {"teacher", "none"}
+    assert any(line.startswith("content (") for line in report.lines())
+    assert report.metrics()["content_probes"] == report.content.probes
+
+
+def test_the_answer_weight_counts_the_tokens_the_system_prompt_decides(tok, base):  # noqa: F811
+    model = _distill(base, tok, user_turns=USERS, steps=1)
+    model.add_adapter(TEACHER, model.peft_config["default"])  # a stand-in teacher: the same path, another prompt
+    with torch.no_grad():
+        model.base_model.prompt(TEACHER).normal_(generator=torch.Generator().manual_seed(0))
+    batch = scored_batch(model.distill_report.samples.train[:4], 0, "cpu")
+    plain = distill_score.weighted_kl(model, batch, "default", 0.0)
+    with torch.no_grad():
+        teacher = model(**batch.kwargs, adapter_names=[TEACHER] * 4).logits
+        student = model(**batch.kwargs, adapter_names=["default"] * 4).logits
+        none = model(**batch.kwargs, adapter_names=["__base__"] * 4).logits
+    kl, decided = token_kl(teacher, student, batch.scored), token_kl(teacher, none, batch.scored)
+    torch.testing.assert_close(plain, kl.mean())
+    weights = 0.5 + 0.5 * decided / decided.mean()
+    weighted = distill_score.weighted_kl(model, batch, "default", 0.5)
+    torch.testing.assert_close(weighted, (kl * weights).sum() / weights.sum())
+
+
+def test_held_out_turns_without_training_turns_let_the_teacher_write_them(tok, base):  # noqa: F811
+    model = _distill(base, tok, held_out_turns=HELD_OUT, steps=1, sampled_turns=8, samples_per_turn=1)
+    samples = model.distill_report.samples
+    assert samples.sampled_turns and samples.held_out_turns == HELD_OUT
+    assert not set(HELD_OUT) & set(samples.train_turns)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [({"turns_per_part": -1}, "`turns_per_part` must be an int >= 0, got -1"),
+     ({"answer_weight": 2.0}, "`answer_weight` must be a number in [0, 1], got 2.0"),
+     ({"probes": "what?"}, "`probes` must be a list of str or Probe")],
+)  # fmt: skip
+def test_bad_content_options_are_named(tok, base, options, message):  # noqa: F811
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("?", r"\?")):
+        _distill(base, tok, user_turns=USERS, **options)
+
+
+def test_cli_takes_a_probe_file_and_held_out_turns_alone(chat_dir, tmp_path, capsys):  # noqa: F811
+    (tmp_path / "system.txt").write_text(SYSTEM + "\n")
+    (tmp_path / "held.txt").write_text("\n".join(HELD_OUT) + "\n")
+    (tmp_path / "probes.txt").write_text(json.dumps({"question": "what colours?", "facts": ["red", "blue"]}) + "\n")
+    out = tmp_path / "adapter"
+    argv = ["distill", "--model", chat_dir, "--system-prompt-file", str(tmp_path / "system.txt"), "--out", str(out)]
+    argv += ["--num-virtual-tokens", "3", "--steps", "2", "--batch-size", "4", "--turns-per-part", "1"]
+    argv += ["--held-out-file", str(tmp_path / "held.txt"), "--probe-file", str(tmp_path / "probes.txt")]
+    assert cli_main(argv) == 0
+    assert "content (1 probe questions never trained on" in capsys.readouterr().out
+    (tmp_path / "probes.txt").write_text('{"question": ""}\n')
+    assert cli_main(argv) == 2
+    assert "`--probe-file`=" in capsys.readouterr().err
