@@ -53,6 +53,15 @@ def _recorded(prompt_kv: PromptKV, module: nn.Module) -> tuple:
     return prompt_kv.layers[module]  # [A, Hkv, N, hd] each
 
 
+def _prepended(prompt: tuple, prompt_kv: PromptKV, key: torch.Tensor, value: torch.Tensor) -> tuple:
+    """Each row's prompt keys/values in front of the text's: `[B, Hkv, N+kv, hd]` each (one copy per layer call)."""
+    batch = key.shape[0]
+    return tuple(
+        torch.cat([prompt_kv.for_rows(own, batch).to(text.dtype), text], dim=2)
+        for own, text in zip(prompt, (key, value), strict=True)
+    )
+
+
 def _masked_function(kernel_name: str, kernel_of: Callable[[nn.Module], Callable], mask_free: bool) -> Callable:
     """sdpa and eager: the prompt's keys in front of the text's, read under one explicit additive mask per forward;
     `mask_free` (sdpa) also reads them with no mask tensor (the lower-right bias) or split from the text's (decode
@@ -76,9 +85,8 @@ def _masked_function(kernel_name: str, kernel_of: Callable[[nn.Module], Callable
             return kernels.split_attention(
                 prompt_kv, query, (prompt_k, prompt_v), (key, value), mask, kwargs.get("scaling")
             )
-        batch, text_key = query.shape[0], key
-        key = torch.cat([prompt_kv.for_rows(prompt_k, batch).to(key.dtype), key], dim=2)  # [B, Hkv, N+kv, hd]
-        value = torch.cat([prompt_kv.for_rows(prompt_v, batch).to(value.dtype), value], dim=2)
+        text_key = key
+        key, value = _prepended((prompt_k, prompt_v), prompt_kv, key, value)
         if lower_right:
             out = kernels.lower_right(query, key, value, kwargs)
             if out is not None:
@@ -102,10 +110,7 @@ def _flash_function(library: str) -> Callable:
             if prompt_kv is not None:
                 prompt_kv.layers.setdefault(module, (key, value))  # [A, Hkv, N, hd] each
             return flash.attention(library, module, query, key, value, text_valid, kwargs)
-        prompt_k, prompt_v = _recorded(prompt_kv, module)
-        batch = query.shape[0]
-        key = torch.cat([prompt_kv.for_rows(prompt_k, batch).to(key.dtype), key], dim=2)  # [B, Hkv, N+kv, hd]
-        value = torch.cat([prompt_kv.for_rows(prompt_v, batch).to(value.dtype), value], dim=2)
+        key, value = _prepended(_recorded(prompt_kv, module), prompt_kv, key, value)
         if prompt_kv.rows is None and text_valid is None:  # one prompt, no padding: the dense kernel
             prompt_kv.kernels.add("flash")
             return flash.attention(library, module, query, key, value, None, kwargs)
