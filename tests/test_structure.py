@@ -96,6 +96,8 @@ UPWARD = {
     ("method.tuner", "files"),
     # A task record names the forward pieces that task uses (its loss, its pooled position).
     ("method.tasks", "forward"),
+    # Starting a prompt from a saved adapter reads it with the files layer's checked reader.
+    ("method.prompt_init", "files"),
     # A call with gradients disabled is reported through the probe's one warning.
     ("forward.prompted", "gradients"),
     # The config's `peft_type` is the PeftType member that PEFT's registration defines.

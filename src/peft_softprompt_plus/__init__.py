@@ -22,6 +22,7 @@ _PUBLIC = {  # name -> the module that defines it
     "GradientFlowReport": "gradients.report",
     "GradientFlowWarning": "gradients.report",
     "check_gradient_flow": "gradients.flow",
+    "KeepBest": "method.stopping",
     "FetchError": "apps.fetch",
     "fetch_checkpoint": "apps.fetch",
     "DistillReport": "distill.score",

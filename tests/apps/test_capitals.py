@@ -1,10 +1,11 @@
 """capitals.py: the fixed split from the countryinfo wheel, the encoding, and the two greedy scorers agreeing."""
 
+import pytest
 import torch
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from peft_softprompt_plus import SoftPromptPlusConfig
+from peft_softprompt_plus import KeepBest, SoftPromptPlusConfig
 from peft_softprompt_plus.apps import capitals
 from peft_softprompt_plus.apps.fetch import fetch_checkpoint
 from peft_softprompt_plus.apps.tiny import tiny_tokenizer
@@ -46,3 +47,34 @@ def test_generate_and_the_uncached_loop_give_the_same_answers():
     cached = capitals.greedy_answers(model, tok, countries, prefix)
     assert cached == capitals.greedy_answers(model, tok, countries, prefix, cached=False)
     assert all("\n" not in a for a in cached) and any(cached)
+
+
+def test_tune_keeps_the_best_step_by_validation_and_stops(make_peft, tokenizer):
+    model = make_peft(num_virtual_tokens=2)
+    split = capitals.Split([("red", "blue")] * 4, [("red", "blue")], [("red", "blue")])
+    scores = iter([0.5, 0.9, 0.3, 0.2, 0.1, 0.0])
+    kept = {}
+
+    def select(m):
+        step = len(kept)
+        kept[step] = m.base_model.prompt("default").detach().clone()
+        return next(scores)
+
+    keep = KeepBest(patience=2)
+    curve = capitals.tune(
+        model,
+        tokenizer,
+        split,
+        steps=10,
+        batch_size=2,
+        lr=0.5,
+        evaluate_at=(0, 1, 2, 3, 4, 5),
+        score=lambda m: 0.0,
+        keep_best=keep,
+        select=select,
+    )
+    assert curve.steps == [0, 1, 2, 3] and curve.validation == [0.5, 0.9, 0.3, 0.2]  # stopped 2 evaluations after 1
+    assert curve.best_step == 1 and torch.equal(model.base_model.prompt("default"), kept[1])
+    assert not torch.equal(kept[1], kept[3])
+    with pytest.raises(ValueError, match="`keep_best` needs `select` or a `split.validation`"):
+        capitals.tune(model, tokenizer, capitals.Split(split.train, split.held_out), steps=1, keep_best=KeepBest())

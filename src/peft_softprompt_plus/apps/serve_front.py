@@ -36,6 +36,7 @@ class Adapter:
     folder: str
     num_virtual_tokens: int
     chat_format: str  # "template" or "student"
+    positions: int = 0  # what the whole prompt takes in front of the text: hard prefix + N + hard suffix
 
 
 class Front:
@@ -72,7 +73,9 @@ class Front:
                 self.model.load_adapter(folder, adapter_name=name)
             self.model.eval()
             chat = config.get("chat_format") or "template"
-            self.adapters[name] = Adapter(name, folder, int(config["num_virtual_tokens"]), chat)
+            n = int(config["num_virtual_tokens"])
+            hard = len(config.get("prompt_prefix_ids") or []) + len(config.get("prompt_suffix_ids") or [])
+            self.adapters[name] = Adapter(name, folder, n, chat, n + hard)
         return self.adapters[name]
 
     def remove(self, name: str) -> None:
@@ -125,7 +128,7 @@ class Front:
         return self.tokenizer(text)["input_ids"]
 
     def check_length(self, adapter: Optional[Adapter], ids: list[int], max_tokens: int) -> None:
-        n = adapter.num_virtual_tokens if adapter is not None else 0
+        n = adapter.positions if adapter is not None else 0
         if self.max_positions is not None and n + len(ids) + max_tokens > self.max_positions:
             raise FrontError(
                 400,

@@ -20,6 +20,18 @@ IMPORT_LINE = (
 )
 
 
+def _placement_lines(config) -> list[str]:
+    """The hard tokens around the soft ones, where the config has them (`prompt_prefix_ids`, `prompt_suffix_ids`)."""
+    return [
+        f"- hard {part} ids (frozen): {ids}" + (f" = {text!r}" if text else "")
+        for part, ids, text in (
+            ("prefix", config.prompt_prefix_ids, config.prompt_prefix),
+            ("suffix", config.prompt_suffix_ids, config.prompt_suffix),
+        )
+        if ids
+    ]
+
+
 def usage_snippet(base_model: str, repo_or_path: str, task_type: str) -> str:
     auto = task_of(task_type).auto_class
     return (
@@ -78,7 +90,8 @@ def _section(peft_model, base_model: str, adapter_ref: str, for_hub: bool) -> li
         HEADING,
         "",
         f"A soft prompt of {config.num_virtual_tokens} virtual tokens for a frozen `{base_model}`, at positions "
-        "0..N-1 before the text. Where the model's attention runs through transformers' attention registry, the "
+        "0..N-1 before the text (after a hard prefix, before a hard suffix, where the config has them). Where the "
+        "model's attention runs through transformers' attention registry, the "
         "prompt enters at the attention: its keys and values are computed in a pass of their own and handed to "
         "every attention layer. Otherwise (`forward_path='concat'`, or families such as Bloom and Falcon) it is "
         "concatenated in front of the text's embeddings.",
@@ -88,6 +101,7 @@ def _section(peft_model, base_model: str, adapter_ref: str, for_hub: bool) -> li
         f"- base model: `{base_model}`{base_note}",
         f"- task: `{task}`",
         f"- num_virtual_tokens (N): {config.num_virtual_tokens}",
+        *_placement_lines(config),
         f"- prompt shape: {_prompt_shape(peft_model)} float32",
         f"- init: {init}",
         f"- forward path: `{config.forward_path}`",

@@ -7,6 +7,7 @@ import torch
 from peft.utils.other import ModulesToSaveWrapper
 
 from ..gradients import flow as gradient_flow
+from ..method import placement
 from ..method.config import ForwardPath
 from ..method.tasks import Task, task_name, task_of
 from . import attention, generation, routing, semantics, validation
@@ -103,6 +104,7 @@ def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_nam
         )
     task = _task_for(tuner, route.adapters)
     validation.check_forward(tuner.model, input_ids, inputs_embeds, attention_mask, labels, kw, task.token_labels)
+    _refuse_second_bos(tuner, route, input_ids, attention_mask)
     if tuner.model.training and not torch.is_grad_enabled() and tuner.forward_state.take_grad_warning():
         gradient_flow.warn_grad_disabled(tuner)
     names = None if route.rows is None else _names_for_heads(tuner, task, adapter_names)
@@ -135,11 +137,17 @@ def generate(tuner, args: tuple, adapter_names, kwargs: dict):
     if not route.adapters:
         return tuner.model.generate(*args, **kwargs)
     _task_for(tuner, route.adapters)
+    _refuse_second_bos(tuner, route, args[0] if args else kwargs.get("input_ids"), kwargs.get("attention_mask"))
     if not _uses_attention(tuner, route, kwargs):
         return generation.generate_concat(tuner.model, tuner.prompt_for_use(route.adapters[0]), args, kwargs)
     prompts = [tuner.prompt_for_use(a) for a in route.adapters]
     prompt_kv, _ = _stored_passes(tuner, route, forward_paths.RowPrompts(prompts, route.rows))
     return generation.generate(tuner.model, prompt_kv, args, kwargs)
+
+
+def _refuse_second_bos(tuner, route: routing.Route, input_ids, attention_mask) -> None:
+    bos = getattr(tuner.model.config, "bos_token_id", None)
+    placement.refuse_second_bos(tuner.peft_config, route.adapters, route.rows, input_ids, attention_mask, bos)
 
 
 def _stored_passes(tuner, route: routing.Route, rows: forward_paths.RowPrompts):

@@ -156,7 +156,9 @@ def _undisturbed(model: nn.Module, grad_context):
 def _probe_batch(tuner, adapter_name: str) -> dict:
     task = tuner.peft_config[adapter_name].task_type
     device = tuner.model.get_input_embeddings().weight.device
-    ids = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]: one text token exercises every path
+    # One text token exercises every path; not the prefix's first token, which may be a BOS the text can't repeat.
+    token = 1 if (tuner.peft_config[adapter_name].prompt_prefix_ids or [None])[0] == 0 else 0
+    ids = torch.full((1, 1), token, dtype=torch.long, device=device)  # [1, 1]
     labels = {"labels": ids} if task_of(task).token_labels else {}
     return {"input_ids": ids, **labels}
 

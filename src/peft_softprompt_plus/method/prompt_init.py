@@ -3,12 +3,15 @@ tensor that shares no storage with the model."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from .config import PromptInit, SoftPromptPlusConfig
+from .options import PromptInit
+
+Config = Any  # a SoftPromptPlusConfig (its checks import this module through placement)
 
 _STAT_CHUNK_ROWS = 4096
 FREQUENT = 5000  # Lester et al. draw from the 5,000 most common tokens; BPE and SentencePiece ids follow frequency
@@ -43,7 +46,7 @@ def embedding_stats(embedding: nn.Embedding) -> tuple[float, float]:
     return mean, max(total_sq / count - mean * mean, 0.0) ** 0.5
 
 
-def _random(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
+def _random(config: Config, embedding: nn.Embedding, model_config) -> torch.Tensor:
     # PEFT's N(0, 1) is ~50x GPT-2's embedding scale; matching wte's statistics keeps the prompt on-manifold.
     n, dim = config.num_virtual_tokens, embedding.embedding_dim
     mean, std = embedding_stats(embedding)
@@ -60,7 +63,7 @@ def _special_token_ids(model_config) -> set[int]:
     return {i for i in ids if isinstance(i, int)}
 
 
-def _vocab(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
+def _vocab(config: Config, embedding: nn.Embedding, model_config) -> torch.Tensor:
     # The default init: one boolean mask, not a Python pass over a vocabulary that may hold 256k ids.
     keep = torch.ones(embedding.num_embeddings, dtype=torch.bool)
     keep[[i for i in _special_token_ids(model_config) if 0 <= i < embedding.num_embeddings]] = False
@@ -74,7 +77,8 @@ def _vocab(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) 
     return _rows(embedding, allowed[pick])
 
 
-def _tokenizer(config: SoftPromptPlusConfig):
+def load_tokenizer(config: Config, purpose: Optional[str] = None):
+    """The tokenizer at `tokenizer_name_or_path`, or an error naming what needed it (`purpose`)."""
     from transformers import AutoTokenizer
 
     try:
@@ -82,11 +86,11 @@ def _tokenizer(config: SoftPromptPlusConfig):
     except (OSError, ValueError) as err:
         raise ValueError(
             f"`tokenizer_name_or_path`={config.tokenizer_name_or_path!r} could not be loaded for "
-            f"`prompt_init={str(config.prompt_init)!r}`: {err}. Pass a local tokenizer directory."
+            f"{purpose or f'`prompt_init={str(config.prompt_init)!r}`'}: {err}. Pass a local tokenizer directory."
         ) from err
 
 
-def _check_ids(config: SoftPromptPlusConfig, ids: list[int], embedding: nn.Embedding) -> None:
+def _check_ids(config: Config, ids: list[int], embedding: nn.Embedding) -> None:
     too_big = [i for i in ids if i >= embedding.num_embeddings]
     if too_big:
         raise ValueError(
@@ -95,8 +99,8 @@ def _check_ids(config: SoftPromptPlusConfig, ids: list[int], embedding: nn.Embed
         )
 
 
-def _text(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
-    ids = _tokenizer(config)(config.prompt_init_text, add_special_tokens=False)["input_ids"]
+def _text(config: Config, embedding: nn.Embedding, model_config) -> torch.Tensor:
+    ids = load_tokenizer(config)(config.prompt_init_text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError(f"`prompt_init_text`={config.prompt_init_text!r} tokenizes to no tokens.")
     _check_ids(config, ids, embedding)
@@ -105,9 +109,9 @@ def _text(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -
     return _rows(embedding, torch.tensor(tiled, dtype=torch.long))
 
 
-def _labels(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
+def _labels(config: Config, embedding: nn.Embedding, model_config) -> torch.Tensor:
     """One row per label word (its sub-tokens' mean embedding), then rows of frequent tokens (Lester et al.)."""
-    tokenizer = _tokenizer(config)
+    tokenizer = load_tokenizer(config)
     n = config.num_virtual_tokens
     words = list(config.prompt_init_labels)[:n]
     rows = []
@@ -128,14 +132,44 @@ def _labels(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config)
     return torch.cat([torch.stack(rows), *([fill] if fill is not None else [])])  # [N, D]
 
 
-INIT_STRATEGIES: dict[str, Callable[[SoftPromptPlusConfig, nn.Embedding, object], torch.Tensor]] = {
+def _adapter(config: Config, embedding: nn.Embedding, model_config) -> torch.Tensor:
+    """The soft rows of a saved adapter (transfer, SPoT-style); a longer N draws its extra rows as `vocab` does."""
+    from ..files import loading
+
+    folder = config.prompt_init_adapter
+    try:
+        saved = loading.read_config(folder)
+        loading.check_peft_type(saved, folder)
+        path = loading.weights_file(folder)
+        values = loading.read_prompt(path).float()
+    except loading.AdapterFileError as err:
+        raise ValueError(f"`prompt_init_adapter`={folder!r} can't start this prompt: {err}") from err
+    problem = loading.diagnose_prompt(values, (saved.get("num_virtual_tokens"), embedding.embedding_dim), repr(path))
+    if problem:
+        raise ValueError(f"`prompt_init_adapter`={folder!r} can't start this prompt: {problem}")
+    n, saved_n = config.num_virtual_tokens, values.shape[0]
+    if saved_n > n:
+        raise ValueError(
+            f"`prompt_init_adapter`={folder!r} holds {saved_n} virtual tokens, more than num_virtual_tokens={n}; "
+            f"which of its rows to drop is not ours to guess. Pass num_virtual_tokens >= {saved_n}."
+        )
+    values = values.to(embedding.weight.device)
+    if saved_n == n:
+        return values.clone()  # [N, D]
+    rest = SimpleNamespace(num_virtual_tokens=n - saved_n, init_seed=config.init_seed)
+    extra = _vocab(rest, embedding, model_config)  # [N - N_saved, D]
+    return torch.cat([values, extra.to(values.device)])  # [N, D]
+
+
+INIT_STRATEGIES: dict[str, Callable[[Config, nn.Embedding, object], torch.Tensor]] = {
     PromptInit.RANDOM.value: _random,
     PromptInit.VOCAB.value: _vocab,
     PromptInit.TEXT.value: _text,
     PromptInit.LABELS.value: _labels,
+    PromptInit.ADAPTER.value: _adapter,
 }
 
 
-def initial_prompt(config: SoftPromptPlusConfig, embedding: nn.Embedding, model_config) -> torch.Tensor:
+def initial_prompt(config: Config, embedding: nn.Embedding, model_config) -> torch.Tensor:
     """Return the starting `[N, D]` float32 values for `config` on the model whose input embedding is `embedding`."""
     return INIT_STRATEGIES[config.prompt_init](config, embedding, model_config)

@@ -21,7 +21,7 @@ from ..forward import paths as forward_paths
 from ..forward import prompted, routing, validation
 from ..forward.state import ForwardState
 from ..gradients import flow as gradient_flow
-from . import precision, reparam, tying
+from . import placement, precision, reparam, tying
 from .config import ForwardPath
 from .prompt_bank import LegacyBankView, SoftPromptBank
 from .prompt_init import initial_prompt
@@ -71,6 +71,7 @@ class SoftPromptPlusModel(BaseTuner):
             if config.forward_path == ForwardPath.SHARED_KV and not self.forward_state.attention_path:
                 raise forward_paths.shared_kv_refused(model, forward_paths.OUTSIDE_REGISTRY)
             embedding = model.get_input_embeddings()
+            placement.resolve(config, embedding)  # the hard prefix/suffix as ids, stored in the config
             values = initial_prompt(config, embedding, model.config)
             # An inference-mode adapter is a folded table (what save_pretrained writes): it needs no encoder.
             encoder = None if config.inference_mode else reparam.encoder_for(config, embedding)
@@ -212,10 +213,11 @@ class SoftPromptPlusModel(BaseTuner):
         return LegacyBankView(self.prompt_bank)
 
     def prompt_for_use(self, adapter_name: str) -> torch.Tensor:
-        """The prompt the model reads (the leaf, or its encoder's output), cast to the embedding's dtype/device at
-        the point of use: its gradient stays float32."""
-        weight = self.model.get_input_embeddings().weight
-        return self.prompt_bank.values(adapter_name).to(device=weight.device, dtype=weight.dtype)  # [N, D]
+        """The prompt the model reads: its hard prefix, the soft rows (the leaf, or its encoder's output) and its hard
+        suffix, cast to the embedding's dtype/device at the point of use: the soft rows' gradient stays float32."""
+        embedding = self.model.get_input_embeddings()
+        soft = self.prompt_bank.values(adapter_name).to(device=embedding.weight.device, dtype=embedding.weight.dtype)
+        return placement.around(soft, embedding, self.peft_config[adapter_name])  # [P+N+S, D]
 
     @contextlib.contextmanager
     def _enable_peft_forward_hooks(self, *args, **kwargs):

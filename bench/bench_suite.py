@@ -1,0 +1,229 @@
+"""The task suite harness: each way of adapting SmolLM2-135M-Instruct on the three suite tasks
+(`peft_softprompt_plus.apps.suite`: cities, subdivisions, emoji; 400 held-out items each), at equal steps and at equal
+training time, over seeds, with 95% intervals over items and seeds. Method and targets: bench/README.md.
+
+    python bench/bench_suite.py run --tasks cities --variants ours-vocab,hard-3shot --seeds 0,1,2
+    python bench/bench_suite.py report                      # tables from every recorded run
+
+Every evaluation records each held-out item's exact match and the validation score, so "keep the best step by
+validation" is read off the same runs (`+keep-best` rows) without training again. Runs append to
+bench/out/suite.jsonl; several processes can share the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections import defaultdict
+from typing import Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import bench_quality as q  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from peft_softprompt_plus.apps import capitals, suite  # noqa: E402
+from peft_softprompt_plus.apps.fetch import fetch_checkpoint  # noqa: E402
+
+STEPS, EVAL_AT = 120, (40, 80, 120)
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "suite.jsonl")
+ADAPTERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "suite_adapters")
+REFERENCE = "ours-vocab"  # its training time at STEPS is the equal-time budget
+TRANSFER_FROM = {"cities": "subdivisions", "subdivisions": "cities", "emoji": "cities"}  # answers of the same kind
+
+
+def _bos_prefix(base, seed, tokenizer, split):
+    return q._ours(prompt_prefix_ids=[tokenizer.bos_token_id])(base, seed, tokenizer, split)
+
+
+def _transfer(task: str):
+    def build(base, seed, tokenizer, split):
+        folder = os.path.join(ADAPTERS, f"{TRANSFER_FROM[task]}-ours-vocab-{seed}")
+        if not os.path.isdir(folder):
+            raise SystemExit(f"run ours-vocab on {TRANSFER_FROM[task]} seed {seed} first: {folder} is missing")
+        return q._ours(prompt_init="adapter", prompt_init_adapter=folder)(base, seed, tokenizer, split)
+
+    return build
+
+
+EXTRA = {  # the options issue 30 adds, on top of bench_quality's variants
+    "ours-bos": q.Variant("this library, BOS as a hard prefix before the soft tokens", _bos_prefix),
+    "ours-transfer": q.Variant("this library, started from ours-vocab trained on a related task", None),
+}
+
+
+def _variant(name: str, task: str) -> q.Variant:
+    if name == "ours-transfer":
+        return q.Variant(EXTRA[name].about, _transfer(task))
+    return EXTRA.get(name) or q.VARIANTS[name]
+
+
+def run_one(task: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...], path: str) -> dict:
+    variant = _variant(name, task)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    split = suite.load_task(task)
+    base = AutoModelForCausalLM.from_pretrained(path).eval()
+    torch.manual_seed(seed)
+    record = {"task": task, "variant": name, "lr": variant.lr, "seed": seed, "threads": torch.get_num_threads()}
+    start = time.perf_counter()
+    if variant.build is None:
+        prefix = capitals.few_shot_prefix(random.Random(seed).sample(split.train, variant.shots))
+        items = capitals.matches(base, tokenizer, split.held_out, prefix)
+        record.update(steps=[0], cpu=[0.0], items=[items], validation=[None])
+    else:
+        model = variant.build(base, seed, tokenizer, split)
+        exact = q._copied_prompt_scorer(path, tokenizer, split) if variant.peft_prompt else (lambda m: m)
+        items, validation = [], []
+
+        def score(m) -> float:
+            items.append(capitals.matches(exact(m), tokenizer, split.held_out))
+            validation.append(capitals.exact_match(exact(m), tokenizer, split.validation))
+            return sum(items[-1]) / len(items[-1])
+
+        curve = capitals.tune(model, tokenizer, split, steps, q.BATCH, variant.lr, seed, eval_at, score)
+        scored = [i for i, s in enumerate(curve.score) if s is not None]
+        record.update(
+            steps=[curve.steps[i] for i in scored], cpu=[curve.cpu[i] for i in scored], items=items, validation=validation
+        )
+        if name == "ours-vocab":
+            model.save_pretrained(os.path.join(ADAPTERS, f"{task}-{name}-{seed}"))
+    record["total_seconds"] = time.perf_counter() - start
+    return record
+
+
+def cmd_run(args) -> None:
+    torch.set_num_threads(args.threads)
+    path = fetch_checkpoint("smollm2")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    eval_at = tuple(int(x) for x in args.eval_at.split(","))
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for task in args.tasks.split(","):
+            for name in args.variants.split(","):
+                record = run_one(task, name, seed, args.steps, eval_at, path)
+                with open(args.out, "a", encoding="utf-8") as handle:
+                    handle.write(json.dumps(record) + "\n")
+                final = sum(record["items"][-1]) / len(record["items"][-1])
+                print(f"{task} {name} seed={seed}: held-out EM {100 * final:.1f} ({record['total_seconds']:.0f} s)")
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _final(record: dict, keep_best: bool = False) -> list[bool]:
+    """Per-item matches at the last evaluation, or (keep_best) at the evaluation with the best validation score."""
+    if keep_best and record["validation"][-1] is not None:
+        best = max(range(len(record["validation"])), key=lambda i: (record["validation"][i], -i))
+        return record["items"][best]
+    return record["items"][-1]
+
+
+def _within(record: dict, budget: float) -> list[bool]:
+    """Per-item matches at the last evaluation whose training CPU time fits in `budget` (the start if none)."""
+    fitting = [i for i, c in enumerate(record["cpu"]) if c <= budget * 1.02]
+    return record["items"][fitting[-1]] if fitting else record["items"][0]
+
+
+def bootstrap(runs_a: list[list[bool]], runs_b: Optional[list[list[bool]]] = None, draws: int = 2000) -> tuple:
+    """Mean exact match of A (minus B's, when given), points, with a 95% interval over seeds and items: each draw
+    resamples the seeds of each arm, then the items (the same items for both arms: they are paired)."""
+    rng = random.Random(0)
+    items = len(runs_a[0])
+
+    def mean(runs, picks):
+        return sum(sum(run[i] for i in picks) / len(picks) for run in runs) / len(runs)
+
+    def value(picks, a, b):
+        return 100 * (mean(a, picks) - (mean(b, picks) if b else 0.0))
+
+    point = value(range(items), runs_a, runs_b)
+    values = []
+    for _ in range(draws):
+        picks = [rng.randrange(items) for _ in range(items)]
+        a = [rng.choice(runs_a) for _ in runs_a]
+        b = [rng.choice(runs_b) for _ in runs_b] if runs_b else None
+        values.append(value(picks, a, b))
+    values.sort()
+    return point, values[int(0.025 * draws)], values[int(0.975 * draws) - 1]
+
+
+def _fmt(triple: tuple, seeds: int) -> str:
+    point, low, high = triple
+    return f"{point:+.1f} [{low:+.1f}, {high:+.1f}] (n={seeds})" if seeds else "–"
+
+
+def cmd_report(args) -> None:
+    with open(args.out, encoding="utf-8") as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    runs = defaultdict(list)
+    for r in records:
+        runs[(r["task"], r["variant"])].append(r)
+    for task in sorted({r["task"] for r in records}):
+        mine = {v: rs for (t, v), rs in runs.items() if t == task}
+        reference = mine.get(REFERENCE, [])
+        budget = statistics.median(r["cpu"][-1] for r in reference) if reference else float("inf")
+        print(f"\n### {task}: held-out exact match, % (mean [95% interval over items and seeds])")
+        print(f"equal time = the training CPU seconds {REFERENCE} takes for {STEPS} steps: {budget:.0f} s\n")
+        print("| arm | at step 120 | keep best by validation | at equal time | CPU s / step |")
+        print("|---|---|---|---|---|")
+        for name, rs in sorted(mine.items()):
+            trained = rs[0]["steps"][-1] > 0
+            per_step = statistics.median(r["cpu"][-1] / r["steps"][-1] for r in rs) if trained else None
+            cells = [
+                _fmt(bootstrap([_final(r) for r in rs]), len(rs)),
+                _fmt(bootstrap([_final(r, True) for r in rs]), len(rs)) if trained else "–",
+                _fmt(bootstrap([_within(r, budget) for r in rs]), len(rs)) if trained else "–",
+                f"{per_step:.2f}" if per_step else "–",
+            ]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        _differences(mine, budget)
+
+
+def _differences(mine: dict, budget: float) -> None:
+    """The issue's targets as differences with intervals: defaults vs hard 3-shot and vs PEFT, each option vs the
+    defaults."""
+    if REFERENCE not in mine:
+        return
+    ours = mine[REFERENCE]
+    print("\n| comparison | points [95% interval] | target |")
+    print("|---|---|---|")
+    pairs = [("hard-3shot", _final, ">= +15"), ("peft-pt-vocab", _final, "context")]
+    for other, pick, target in pairs:
+        if other in mine:
+            diff = bootstrap([pick(r) for r in ours], [pick(r) for r in mine[other]])
+            print(f"| {REFERENCE} - {other}, step 120 | {_fmt(diff, len(ours))} | {target} |")
+    for other in ("peft-pt-vocab", "peft-pt-random"):
+        if other in mine:
+            diff = bootstrap([_within(r, budget) for r in ours], [_within(r, budget) for r in mine[other]])
+            print(f"| {REFERENCE} - {other}, equal time | {_fmt(diff, len(ours))} | >= +5 |")
+    keep = bootstrap([_final(r, True) for r in ours], [_final(r) for r in ours])
+    print(f"| {REFERENCE} + keep best - {REFERENCE} | {_fmt(keep, len(ours))} | option effect |")
+    for option in ("ours-bos", "ours-transfer", "ours-labels", "ours-random"):
+        if option in mine:
+            diff = bootstrap([_final(r) for r in mine[option]], [_final(r) for r in ours])
+            print(f"| {option} - {REFERENCE}, step 120 | {_fmt(diff, len(mine[option]))} | option effect |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run")
+    run.add_argument("--tasks", default=",".join(suite.TASKS))
+    run.add_argument("--variants", default="ours-vocab,hard-3shot,peft-pt-vocab")
+    run.add_argument("--seeds", default="0,1,2")
+    run.add_argument("--steps", type=int, default=STEPS)
+    run.add_argument("--eval-at", default=",".join(map(str, EVAL_AT)))
+    run.add_argument("--threads", type=int, default=1)
+    run.add_argument("--out", default=OUT)
+    report = sub.add_parser("report")
+    report.add_argument("--out", default=OUT)
+    args = parser.parse_args()
+    {"run": cmd_run, "report": cmd_report}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The checks `SoftPromptPlusConfig` runs on construction: one function per concern, each returning the problem (a
+sentence naming the field, its value and the fix) or None."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from . import placement
+from .options import ForwardPath, PromptInit, Reparameterization, ValidateGradients
+from .tasks import task_of
+
+Config = Any  # a SoftPromptPlusConfig: config.py imports this module, so the type is named, not imported
+
+
+CHOICES = {
+    "prompt_init": PromptInit,
+    "reparameterization": Reparameterization,
+    "validate_gradients": ValidateGradients,
+    "forward_path": ForwardPath,
+}
+
+
+def _choice(name: str) -> Callable[[Config], Optional[str]]:
+    def check(config: Config) -> Optional[str]:
+        value, allowed = getattr(config, name), [m.value for m in CHOICES[name]]
+        if value not in allowed:
+            return f"`{name}` must be one of {allowed}, got {value!r}."
+        return None
+
+    return check
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _task(c: Config) -> Optional[str]:
+    try:
+        task_of(c.task_type)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _num_virtual_tokens(c: Config) -> Optional[str]:
+    value = c.num_virtual_tokens
+    if not _is_int(value) or value < 1:
+        return f"`num_virtual_tokens` must be a positive int (>= 1), got {value!r} ({type(value).__name__})."
+    return None
+
+
+def _text_init(c: Config) -> Optional[str]:
+    text = c.prompt_init == PromptInit.TEXT.value
+    if text and not c.prompt_init_text:
+        return (
+            f"`prompt_init_text` must be a non-empty string when `prompt_init='text'`, got {c.prompt_init_text!r}. "
+            "Pass the text whose embeddings should start the prompt."
+        )
+    if not text and c.prompt_init_text is not None:
+        return (
+            f"`prompt_init_text` is only used with `prompt_init='text'`, got prompt_init={str(c.prompt_init)!r} with "
+            f"prompt_init_text={c.prompt_init_text!r}. Set `prompt_init='text'` or drop the text."
+        )
+    return None
+
+
+def _labels(c: Config) -> Optional[str]:
+    labels, wanted = c.prompt_init_labels, c.prompt_init == PromptInit.LABELS.value
+    words = labels if isinstance(labels, (list, tuple)) else []
+    well_formed = bool(words) and all(isinstance(w, str) and w.strip() for w in words)
+    if wanted and not well_formed:
+        return (
+            "`prompt_init_labels` must be a non-empty list of non-empty strings when `prompt_init='labels'`, got "
+            f"{labels!r}. Pass the label words, e.g. [' positive', ' negative']."
+        )
+    if not wanted and labels is not None:
+        return (
+            f"`prompt_init_labels` is only used with `prompt_init='labels'`, got prompt_init={str(c.prompt_init)!r} "
+            f"with prompt_init_labels={labels!r}. Set `prompt_init='labels'` or drop the labels."
+        )
+    return None
+
+
+def _tokenizer(c: Config) -> Optional[str]:
+    needs = c.prompt_init in (PromptInit.TEXT.value, PromptInit.LABELS.value)
+    if needs and not c.tokenizer_name_or_path:
+        return (
+            f"`tokenizer_name_or_path` is needed when `prompt_init={str(c.prompt_init)!r}`, got "
+            f"{c.tokenizer_name_or_path!r}. Pass a local tokenizer directory or Hub id."
+        )
+    return None
+
+
+def _init_adapter(c: Config) -> Optional[str]:
+    wanted, folder = c.prompt_init == PromptInit.ADAPTER.value, c.prompt_init_adapter
+    if wanted and not (isinstance(folder, str) and folder):
+        return (
+            "`prompt_init_adapter` must be the folder of a saved adapter when `prompt_init='adapter'`, got "
+            f"{folder!r}."
+        )
+    if not wanted and folder is not None:
+        return (
+            f"`prompt_init_adapter` is only used with `prompt_init='adapter'`, got prompt_init={str(c.prompt_init)!r} "
+            f"with prompt_init_adapter={folder!r}. Set `prompt_init='adapter'` or drop the folder."
+        )
+    return None
+
+
+def _residual(c: Config) -> Optional[str]:
+    problems = []
+    if not _is_int(c.residual_hidden) or c.residual_hidden < 1:
+        problems.append(f"`residual_hidden` must be a positive int, got {c.residual_hidden!r}.")
+    if not isinstance(c.residual_layer_norm, bool):
+        problems.append(f"`residual_layer_norm` must be True or False, got {c.residual_layer_norm!r}.")
+    return " ".join(problems) or None
+
+
+def _init_seed(c: Config) -> Optional[str]:
+    if c.init_seed is not None and not _is_int(c.init_seed):
+        return f"`init_seed` must be an int or None, got {c.init_seed!r}."
+    return None
+
+
+def _modules_to_save(c: Config) -> Optional[str]:
+    names = c.modules_to_save
+    if names is not None and not (isinstance(names, list) and all(isinstance(m, str) for m in names)):
+        return f"`modules_to_save` must be a list of module names or None, got {names!r}."
+    return None
+
+
+CHAT_FORMATS = ("template", "student")
+
+
+def _chat_format(config: Config) -> Optional[str]:
+    if config.chat_format is not None and config.chat_format not in CHAT_FORMATS:
+        return f"`chat_format` must be one of {list(CHAT_FORMATS)} or None, got {config.chat_format!r}."
+    return None
+
+
+CHECKS: tuple[Callable[[Config], Optional[str]], ...] = (
+    _task,
+    _num_virtual_tokens,
+    *(_choice(name) for name in CHOICES),
+    _text_init,
+    _labels,
+    _tokenizer,
+    _init_adapter,
+    placement.check,
+    _residual,
+    _init_seed,
+    _modules_to_save,
+    _chat_format,
+)

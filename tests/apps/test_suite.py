@@ -1,0 +1,29 @@
+"""suite.py: three tasks from data wheels, each split once, the same on every machine, big enough to tell 3 points."""
+
+import pytest
+
+from peft_softprompt_plus.apps import suite
+
+
+@pytest.mark.parametrize("name", sorted(suite.TASKS))
+def test_each_task_is_fixed_disjoint_and_large(name):
+    split = suite.load_task(name)
+    assert (len(split.held_out), len(split.validation)) == (400, 100) and len(split.train) >= 400
+    keys = [k for k, _ in split.train + split.validation + split.held_out]
+    assert len(set(keys)) == len(keys)  # one answer per key, and no key in two parts
+    assert all(k.strip() and a.strip() and "\n" not in k + a for k, a in split.train + split.held_out)
+    assert suite.load_task(name) == split
+
+
+def _all(split) -> dict:
+    return dict(split.train + split.validation + split.held_out)
+
+
+def test_known_items_and_bad_names():
+    cities = _all(suite.load_task("cities"))
+    assert cities.get("Osaka") == "Japan" and "Paris" not in cities  # Paris, Texas makes the name ambiguous
+    assert _all(suite.load_task("emoji")).get("\U0001f693") == "police car"
+    subdivisions = _all(suite.load_task("subdivisions"))
+    assert subdivisions.get("Rhône") == "France" and subdivisions.get("Wales") == "United Kingdom"
+    with pytest.raises(ValueError, match=r"`name` must be one of \['cities', 'emoji', 'subdivisions'\], got 'x'"):
+        suite.load_task("x")
