@@ -88,7 +88,10 @@ def run_one(task: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...
         curve = capitals.tune(model, tokenizer, split, steps, q.BATCH, variant.lr, seed, eval_at, score)
         scored = [i for i, s in enumerate(curve.score) if s is not None]
         record.update(
-            steps=[curve.steps[i] for i in scored], cpu=[curve.cpu[i] for i in scored], items=items, validation=validation
+            steps=[curve.steps[i] for i in scored],
+            cpu=[curve.cpu[i] for i in scored],
+            items=items,
+            validation=validation,
         )
         if name == "ours-vocab":
             model.save_pretrained(os.path.join(ADAPTERS, f"{task}-{name}-{seed}"))
