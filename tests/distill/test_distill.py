@@ -240,6 +240,34 @@ def test_plain_mode_needs_no_chat_template(tiny_model_dir):
     assert samples.train[0].ids[: len(first)] == first and samples.train[0].first == len(first) - 1
 
 
+def test_in_system_turn_puts_the_soft_tokens_inside_the_template_s_system_turn(tok, base, chat_dir):
+    # The student reads the teacher's very text with the system prompt's content alone replaced by soft tokens: with
+    # the soft rows set to the content's own embeddings it is the teacher, token for token.
+    model = _distill(base, tok, user_turns=USERS, steps=2, in_system_turn=True)
+    config = model.peft_config["default"]
+    assert config.prompt_prefix_ids == _ids(tok, "<|im_start|>system\n")
+    assert config.prompt_suffix_ids == _ids(tok, "<|im_end|>\n")
+    content = _ids(tok, SYSTEM)
+    exact = _distill(
+        AutoModelForCausalLM.from_pretrained(chat_dir).eval(), tok, user_turns=USERS, steps=1, in_system_turn=True,
+        num_virtual_tokens=len(content),
+    )  # fmt: skip
+    embedding = exact.get_base_model().get_input_embeddings()
+    with torch.no_grad():
+        exact.base_model.prompt("default").copy_(embedding(torch.tensor(content)))
+        batch = student_inputs(tok, [[{"role": "user", "content": t}] for t in HELD_OUT])
+        teacher = AutoModelForCausalLM.from_pretrained(chat_dir).eval()
+        for row in range(len(HELD_OUT)):
+            real = batch["input_ids"][row][batch["attention_mask"][row].bool()]
+            system_turn = tok.apply_chat_template([{"role": "system", "content": SYSTEM}], tokenize=False)
+            hard = torch.tensor(_ids(tok, system_turn))
+            want = teacher(input_ids=torch.cat([hard, real])[None]).logits[0, len(hard) :]
+            got = exact(input_ids=real[None]).logits[0]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="`in_system_turn` must be True or False, got 'yes'"):
+        _distill(base, tok, user_turns=USERS, steps=1, in_system_turn="yes")
+
+
 def test_samples_are_reused_across_students(tok, base, chat_dir):
     # A student given another's samples trains and is scored on exactly those: with the same seed it is the student
     # that drew them. No `user_turns` this time, so samples drawn afresh would be the teacher's own turns.

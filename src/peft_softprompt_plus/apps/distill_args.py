@@ -51,6 +51,11 @@ def add_parser(sub) -> None:
         default=0.0,
         help="Weight tokens by how much the system prompt changes them, 0 (plain KL) to 1 (default 0).",
     )
+    distill.add_argument(
+        "--in-system-turn",
+        action="store_true",
+        help="Place the soft tokens inside the template's system turn (its header before them, its end after).",
+    )
     distill.add_argument("--plain", action="store_true", help="A plain text prefix, not the model's chat template.")
     distill.add_argument("--batch-size", type=int, default=8, help="Rows per step (default 8).")
     distill.add_argument("--lr", type=float, default=3e-2, help="AdamW learning rate (default 0.03).")

@@ -23,6 +23,7 @@ def main(args, system_prompt: str, user_turns, held_out_turns, probes=None) -> i
         probes=probes,
         turns_per_part=args.turns_per_part,
         answer_weight=args.answer_weight,
+        in_system_turn=args.in_system_turn,
         chat=not args.plain,
         batch_size=args.batch_size,
         lr=args.lr,

@@ -130,6 +130,25 @@ class Prepared:
         return ids
 
 
+def system_turn(tokenizer, prepared: Prepared) -> tuple[list[int], list[int]]:
+    """The ids that open and close the system turn around its content (plain mode: none, then the separator), for a
+    student whose soft tokens sit inside the turn (`in_system_turn`). Checked against the teacher's own tokens, so the
+    student reads the teacher's text with the system prompt's content alone replaced."""
+    if prepared.mode == "plain":
+        opener, closer = "", PLAIN_SEPARATOR
+    else:
+        opener, _, closer = _chat_prefix(tokenizer, _MARK).partition(_MARK)
+    head, tail = _ids(tokenizer, opener) if opener else [], _ids(tokenizer, closer) if closer else []
+    ids = prepared.prefix_ids
+    if ids[: len(head)] != head or ids[len(ids) - len(tail) :] != tail or len(head) + len(tail) >= len(ids):
+        raise ValueError(
+            f"`in_system_turn`: the system turn's opener {opener!r} and closer {closer!r} don't tokenize as they do "
+            "around this system prompt (a token merges across the boundary), so the student would not read the "
+            "teacher's tokens. Distill with in_system_turn=False."
+        )
+    return head, tail
+
+
 def prepare(tokenizer, system_prompt, chat: bool, num_virtual_tokens: int) -> Prepared:
     """Check the system prompt and the template, and tokenize the hard prefix."""
     if not isinstance(system_prompt, str) or not system_prompt.strip():

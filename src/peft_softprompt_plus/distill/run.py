@@ -151,6 +151,7 @@ def distill_prompt(
     turns_per_part: int = 0,
     answer_weight: float = 0.0,
     probes: Optional[Sequence[Union[str, distill_content.Probe]]] = None,
+    in_system_turn: bool = False,
     samples: Optional[DistillSamples] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> PeftModel:
@@ -163,6 +164,8 @@ def distill_prompt(
     counts.update(samples_per_turn=samples_per_turn, held_out_samples_per_turn=held_out_samples_per_turn)
     counts.update(max_new_tokens=max_new_tokens, sampled_turns=sampled_turns)
     how = (turns_per_part, answer_weight, probes)
+    if not isinstance(in_system_turn, bool):
+        raise ValueError(f"distill_prompt: `in_system_turn` must be True or False, got {in_system_turn!r}.")
     problems = _problems(
         model, user_turns, held_out_turns, counts, lr, held_out_fraction, prompt_init, evaluate_at, how
     )
@@ -186,6 +189,9 @@ def distill_prompt(
         prepared.suffix_ids(tokenizer, turn)
     config = _init_config(tokenizer, prepared, num_virtual_tokens, seed, prompt_init)
     config.chat_format = "student" if chat else None  # how a server formats its messages (`student_inputs`)
+    if in_system_turn:  # the template's system header before the soft tokens, its end of turn after them
+        head, tail = distill_data.system_turn(tokenizer, prepared)
+        config.prompt_prefix_ids, config.prompt_suffix_ids = head or None, tail or None
     model = get_peft_model(model, config)
     attach_teacher(model, prepared.prefix_ids)
     model.eval()  # no dropout: the student matches the teacher's own deterministic distribution
