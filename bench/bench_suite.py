@@ -38,7 +38,11 @@ TRANSFER_FROM = {"cities": "subdivisions", "subdivisions": "cities", "emoji": "c
 
 
 def _bos_prefix(base, seed, tokenizer, split):
-    return q._ours(prompt_prefix_ids=[tokenizer.bos_token_id])(base, seed, tokenizer, split)
+    # SmolLM2-Instruct's tokenizer names <|im_start|> its BOS; the token its pre-training put before every document
+    # is <|endoftext|>, which is what a plain task's text would follow.
+    start = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    start = start if start != tokenizer.unk_token_id and start is not None else tokenizer.bos_token_id
+    return q._ours(prompt_prefix_ids=[start])(base, seed, tokenizer, split)
 
 
 def _transfer(task: str):
@@ -52,7 +56,7 @@ def _transfer(task: str):
 
 
 EXTRA = {  # the options issue 30 adds, on top of bench_quality's variants
-    "ours-bos": q.Variant("this library, BOS as a hard prefix before the soft tokens", _bos_prefix),
+    "ours-bos": q.Variant("this library, the document start (<|endoftext|>) as a hard prefix", _bos_prefix),
     "ours-transfer": q.Variant("this library, started from ours-vocab trained on a related task", None),
 }
 
