@@ -261,3 +261,15 @@ def test_several_prompts_are_one_upstream_request_each_numbered_like_openai(stac
         assert torch.equal(tensor, _expected(front, "plain", front.tokenizer(text)["input_ids"]))
     with pytest.raises(openai.BadRequestError, match="one prompt per request"):
         stack["client"].completions.create(model="plain", prompt=["a", "b"], max_tokens=2, stream=True)
+
+
+def test_a_completion_prompt_never_brings_a_second_bos_to_an_adapter_that_starts_with_one(stack):
+    from peft_softprompt_plus.apps.serve_front import Adapter
+
+    front = stack["front"]
+    bos = front.tokenizer.bos_token_id
+    text = front.tokenizer.bos_token + "the cat"
+    with_bos = Adapter("b", "unused", 4, "template", 5, first_hard=bos)
+    without = Adapter("p", "unused", 4, "template", 4)
+    assert front.token_ids(text)[0] == bos and front.token_ids(text, without) == front.token_ids(text)
+    assert front.token_ids(text, with_bos) == front.token_ids(text)[1:]

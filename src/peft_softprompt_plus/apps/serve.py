@@ -79,12 +79,14 @@ def build_app(front: Front, upstream: str, upstream_model: str, api_key: Optiona
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise FrontError(400, f"`prompt` must be a text or a list of texts, got {prompt!r:.80}.")
         if len(prompts) == 1:
-            return await _forward(body, adapter, front.token_ids(prompts[0]), chat=False)
+            return await _forward(body, adapter, front.token_ids(prompts[0], adapter), chat=False)
         if body.get("stream"):
             raise FrontError(400, f"`stream` takes one prompt per request, got {len(prompts)}: send them one by one.")
         # Several prompts: one upstream request each (vLLM batches them), the choices numbered as OpenAI numbers
         # them (prompt i's choice c is i * n + c).
-        answers = await asyncio.gather(*(_forward(body, adapter, front.token_ids(p), chat=False) for p in prompts))
+        answers = await asyncio.gather(
+            *(_forward(body, adapter, front.token_ids(p, adapter), chat=False) for p in prompts)
+        )
         n = body.get("n") or 1
         choices = [{**c, "index": i * n + c["index"]} for i, a in enumerate(answers) for c in a["choices"]]
         usage = {

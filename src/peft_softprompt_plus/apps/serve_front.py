@@ -37,6 +37,7 @@ class Adapter:
     num_virtual_tokens: int
     chat_format: str  # "template" or "student"
     positions: int = 0  # what the whole prompt takes in front of the text: hard prefix + N + hard suffix
+    first_hard: Optional[int] = None  # the prefix's first id (a BOS there means the text must not bring its own)
 
 
 class Front:
@@ -75,7 +76,8 @@ class Front:
             chat = config.get("chat_format") or "template"
             n = int(config["num_virtual_tokens"])
             hard = len(config.get("prompt_prefix_ids") or []) + len(config.get("prompt_suffix_ids") or [])
-            self.adapters[name] = Adapter(name, folder, n, chat, n + hard)
+            first = (config.get("prompt_prefix_ids") or [None])[0]
+            self.adapters[name] = Adapter(name, folder, n, chat, n + hard, first)
         return self.adapters[name]
 
     def remove(self, name: str) -> None:
@@ -122,10 +124,16 @@ class Front:
             return student_text(self.tokenizer, messages)  # never the template's default system prompt
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def token_ids(self, text: str) -> list[int]:
+    def token_ids(self, text: str, adapter: Optional[Adapter] = None) -> list[int]:
+        """A completion prompt's ids as the tokenizer makes them, without the BOS it adds when the adapter's own
+        prefix already starts with BOS (the model would read it twice)."""
         if not isinstance(text, str) or not text:
             raise FrontError(400, f"`prompt` must be non-empty text, got {text!r}.")
-        return self.tokenizer(text)["input_ids"]
+        ids = self.tokenizer(text)["input_ids"]
+        bos = self.tokenizer.bos_token_id
+        if adapter is not None and bos is not None and adapter.first_hard == bos and ids[:1] == [bos]:
+            return ids[1:]
+        return ids
 
     def check_length(self, adapter: Optional[Adapter], ids: list[int], max_tokens: int) -> None:
         n = adapter.positions if adapter is not None else 0

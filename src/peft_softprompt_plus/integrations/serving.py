@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..forward import routing, semantics, validation
+from ..method import placement
 from ..method.errors import not_ours
 from ..method.tasks import task_name, task_of
 from ..method.tuner import SoftPromptPlusModel
@@ -125,6 +126,8 @@ def prompt_embeds(
     name = _adapter(tuner, adapter_name)
     embedding = tuner.model.get_input_embeddings()
     ids, mask = _rows(input_ids, attention_mask, embedding.num_embeddings)
+    bos = getattr(tuner.model.config, "bos_token_id", None)
+    placement.refuse_second_bos(tuner.peft_config, [name], None, ids, mask, bos)  # as the forward refuses it
     # What this library's forward reads (a residual adapter's encoder output, not its raw leaf), in both branches.
     prompt = tuner.prompt_for_use(name).detach()  # [N, D]
     _check_fits(mask, prompt.shape[0], semantics.max_positions(tuner.model.config))
