@@ -3,6 +3,7 @@
 training time, over seeds, with 95% intervals over items and seeds. Method and targets: bench/README.md.
 
     python bench/bench_suite.py run --tasks cities --variants ours-vocab,hard-3shot --seeds 0,1,2
+    python bench/bench_suite.py run --tasks cities:chat --variants ours-vocab,ours-system-turn --seeds 0  # chat form
     python bench/bench_suite.py report                      # tables from every recorded run
 
 Every evaluation records each held-out item's exact match and the validation score, so "keep the best step by
@@ -55,9 +56,16 @@ def _transfer(task: str):
     return build
 
 
+def _system_turn(base, seed, tokenizer, split):
+    # The soft tokens inside a system turn of the chat template (SmolLM2's ChatML), where a system prompt sits.
+    turn = dict(prompt_prefix="<|im_start|>system\n", prompt_suffix="<|im_end|>\n")
+    return q._ours(tokenizer_name_or_path=tokenizer.name_or_path, **turn)(base, seed, tokenizer, split)
+
+
 EXTRA = {  # the options issue 30 adds, on top of bench_quality's variants
     "ours-bos": q.Variant("this library, the document start (<|endoftext|>) as a hard prefix", _bos_prefix),
     "ours-transfer": q.Variant("this library, started from ours-vocab trained on a related task", None),
+    "ours-system-turn": q.Variant("this library, the soft tokens inside a system turn (chat form)", _system_turn),
 }
 
 
@@ -67,17 +75,20 @@ def _variant(name: str, task: str) -> q.Variant:
     return EXTRA.get(name) or q.VARIANTS[name]
 
 
-def run_one(task: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...], path: str) -> dict:
+def run_one(spec: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...], path: str) -> dict:
+    """One arm on one task; `spec` is a task name, `name:chat` for its chat form."""
+    task, _, form_name = spec.partition(":")
     variant = _variant(name, task)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    form = suite.form_of(form_name or "plain", tokenizer)
     split = suite.load_task(task)
     base = AutoModelForCausalLM.from_pretrained(path).eval()
     torch.manual_seed(seed)
-    record = {"task": task, "variant": name, "lr": variant.lr, "seed": seed, "threads": torch.get_num_threads()}
+    record = {"task": spec, "variant": name, "lr": variant.lr, "seed": seed, "threads": torch.get_num_threads()}
     start = time.perf_counter()
     if variant.build is None:
-        prefix = capitals.few_shot_prefix(random.Random(seed).sample(split.train, variant.shots))
-        items = capitals.matches(base, tokenizer, split.held_out, prefix)
+        prefix = capitals.few_shot_prefix(random.Random(seed).sample(split.train, variant.shots), form)
+        items = capitals.matches(base, tokenizer, split.held_out, prefix, form=form)
         record.update(steps=[0], cpu=[0.0], items=[items], validation=[None])
     else:
         model = variant.build(base, seed, tokenizer, split)
@@ -85,11 +96,11 @@ def run_one(task: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...
         items, validation = [], []
 
         def score(m) -> float:
-            items.append(capitals.matches(exact(m), tokenizer, split.held_out))
-            validation.append(capitals.exact_match(exact(m), tokenizer, split.validation))
+            items.append(capitals.matches(exact(m), tokenizer, split.held_out, form=form))
+            validation.append(capitals.exact_match(exact(m), tokenizer, split.validation, form=form))
             return sum(items[-1]) / len(items[-1])
 
-        curve = capitals.tune(model, tokenizer, split, steps, q.BATCH, variant.lr, seed, eval_at, score)
+        curve = capitals.tune(model, tokenizer, split, steps, q.BATCH, variant.lr, seed, eval_at, score, form=form)
         scored = [i for i, s in enumerate(curve.score) if s is not None]
         record.update(
             steps=[curve.steps[i] for i in scored],
@@ -98,7 +109,7 @@ def run_one(task: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...
             validation=validation,
         )
         if name == "ours-vocab":
-            model.save_pretrained(os.path.join(ADAPTERS, f"{task}-{name}-{seed}"))
+            model.save_pretrained(os.path.join(ADAPTERS, f"{spec}-{name}-{seed}".replace(":", "-")))
     record["total_seconds"] = time.perf_counter() - start
     return record
 
@@ -209,7 +220,7 @@ def _differences(mine: dict, budget: float) -> None:
             print(f"| {REFERENCE} - {other}, equal time | {_fmt(diff, len(ours))} | >= +5 |")
     keep = bootstrap([_final(r, True) for r in ours], [_final(r) for r in ours])
     print(f"| {REFERENCE} + keep best - {REFERENCE} | {_fmt(keep, len(ours))} | option effect |")
-    for option in ("ours-bos", "ours-transfer", "ours-labels", "ours-random"):
+    for option in ("ours-bos", "ours-transfer", "ours-system-turn", "ours-labels", "ours-random"):
         if option in mine:
             diff = bootstrap([_final(r) for r in mine[option]], [_final(r) for r in ours])
             print(f"| {option} - {REFERENCE}, step 120 | {_fmt(diff, len(mine[option]))} | option effect |")

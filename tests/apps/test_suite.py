@@ -27,3 +27,26 @@ def test_known_items_and_bad_names():
     assert subdivisions.get("Rhône") == "France" and subdivisions.get("Wales") == "United Kingdom"
     with pytest.raises(ValueError, match=r"`name` must be one of \['cities', 'emoji', 'subdivisions'\], got 'x'"):
         suite.load_task("x")
+
+
+def test_the_chat_form_is_the_template_s_own_rendering_without_a_system_turn():
+    from peft_softprompt_plus.apps import capitals
+    from peft_softprompt_plus.apps.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.chat_template = (  # like SmolLM2's: a default system turn when none is given, which the form must avoid
+        "{% if messages[0]['role'] != 'system' %}<|system|>default\n{% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    form = suite.form_of("chat", tok)
+    assert form.question("Osaka") == "<|user|>Osaka\n<|assistant|>" and form.answer("Japan") == "Japan\n"
+    turns = [{"role": "user", "content": "Osaka"}, {"role": "assistant", "content": "Japan"}]
+    whole = tok.apply_chat_template(turns, tokenize=False)
+    assert "<|system|>default\n" + capitals.few_shot_prefix([("Osaka", "Japan")], form) == whole
+    ids, labels = capitals.encode(tok, "Osaka", "Japan", form=form)
+    answer = tok("Japan\n", add_special_tokens=False)["input_ids"]
+    assert labels[-len(answer) :] == answer and set(labels[: -len(answer)]) == {-100}
+    assert suite.form_of("plain", tok) is capitals.PLAIN
+    with pytest.raises(ValueError, match=r"`form` must be one of \['chat', 'plain'\], got 'json'"):
+        suite.form_of("json", tok)

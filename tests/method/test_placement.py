@@ -150,6 +150,9 @@ def test_a_text_that_carries_its_own_bos_is_refused_not_read_twice(make_base, ma
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=1)
     with pytest.raises(ValueError, match="row 1 starts with the BOS"):
         prompt_embeds(model, ids, mask)  # the embeddings an engine would be sent: the same refusal
+    turns = ids.clone()
+    turns[1, 5] = 0  # BOS again later in the row: it opens turns (ChatML's <|im_start|> as BOS), not the document
+    model(input_ids=turns, attention_mask=mask)
     plain = _placed(make_base, make_peft, prompt_prefix_ids=[7]).eval()  # no BOS in its prefix: BOS text is fine
     plain(input_ids=ids, attention_mask=mask)
 

@@ -52,15 +52,27 @@ def question(country: str) -> str:
     return f"{country}{ARROW}"
 
 
-def few_shot_prefix(examples: list[tuple[str, str]]) -> str:
-    """A hard prompt: `"France -> Paris\\n"` per example, in front of the question."""
-    return "".join(f"{question(country)} {capital}\n" for country, capital in examples)
+@dataclass(frozen=True)
+class Form:
+    """How a (key, answer) pair is written: `question(key)` the text the model answers after, `answer(value)` the
+    labelled text that follows (ending where greedy decoding stops: a newline or the end-of-turn token)."""
+
+    question: Callable[[str], str]
+    answer: Callable[[str], str]
 
 
-def encode(tokenizer, country: str, capital: str, prefix: str = "") -> tuple[list[int], list[int]]:
+PLAIN = Form(question, lambda capital: f" {capital}\n")  # "France -> Paris\n"
+
+
+def few_shot_prefix(examples: list[tuple[str, str]], form: Form = PLAIN) -> str:
+    """A hard prompt: `"France -> Paris\\n"` (or the form's turns) per example, in front of the question."""
+    return "".join(form.question(country) + form.answer(capital) for country, capital in examples)
+
+
+def encode(tokenizer, country: str, capital: str, prefix: str = "", form: Form = PLAIN) -> tuple[list[int], list[int]]:
     """Token ids of `prefix + "Country -> Capital\\n"`, labelled only on the answer and its newline."""
-    head = tokenizer(prefix + question(country), add_special_tokens=False)["input_ids"]
-    answer = tokenizer(f" {capital}\n", add_special_tokens=False)["input_ids"]
+    head = tokenizer(prefix + form.question(country), add_special_tokens=False)["input_ids"]
+    answer = tokenizer(form.answer(capital), add_special_tokens=False)["input_ids"]
     return head + answer, [IGNORE_INDEX] * len(head) + answer
 
 
@@ -121,11 +133,17 @@ def _uncached(model, tokenizer, encoded: list[list[int]], max_new_tokens: int, b
 
 
 def greedy_answers(
-    model, tokenizer, countries: list[str], prefix: str = "", cached: bool = True, batch_size: int = 32
+    model,
+    tokenizer,
+    countries: list[str],
+    prefix: str = "",
+    cached: bool = True,
+    batch_size: int = 32,
+    form: Form = PLAIN,
 ) -> list[str]:
     """Each country's greedy answer, cut at the first newline. `cached=False` scores a model whose `generate` can't
     be trusted by plain forwards instead (the same greedy tokens, at several times the cost)."""
-    encoded = [tokenizer(prefix + question(c), add_special_tokens=False)["input_ids"] for c in countries]
+    encoded = [tokenizer(prefix + form.question(c), add_special_tokens=False)["input_ids"] for c in countries]
     run = _generated if cached else _uncached
     stops = set(_stops(tokenizer))
     answers = []
@@ -135,15 +153,19 @@ def greedy_answers(
     return answers
 
 
-def matches(model, tokenizer, pairs: list[tuple[str, str]], prefix: str = "", cached: bool = True) -> list[bool]:
+def matches(
+    model, tokenizer, pairs: list[tuple[str, str]], prefix: str = "", cached: bool = True, form: Form = PLAIN
+) -> list[bool]:
     """Per pair: whether its greedy answer equals the answer exactly (after stripping spaces)."""
-    answers = greedy_answers(model, tokenizer, [key for key, _ in pairs], prefix, cached)
+    answers = greedy_answers(model, tokenizer, [key for key, _ in pairs], prefix, cached, form=form)
     return [a == answer for a, (_, answer) in zip(answers, pairs, strict=True)]
 
 
-def exact_match(model, tokenizer, pairs: list[tuple[str, str]], prefix: str = "", cached: bool = True) -> float:
+def exact_match(
+    model, tokenizer, pairs: list[tuple[str, str]], prefix: str = "", cached: bool = True, form: Form = PLAIN
+) -> float:
     """Share of `pairs` whose greedy answer equals the answer exactly (after stripping spaces)."""
-    return sum(matches(model, tokenizer, pairs, prefix, cached)) / len(pairs)
+    return sum(matches(model, tokenizer, pairs, prefix, cached, form)) / len(pairs)
 
 
 @torch.no_grad()
@@ -193,6 +215,7 @@ def tune(
     on_step: Optional[Callable[[float], None]] = None,
     keep_best: Optional[KeepBest] = None,
     select: Optional[Callable] = None,
+    form: Form = PLAIN,
 ) -> Curve:
     """AdamW on the model's trainable parameters over batches of `split.train`; the held-out score at the steps in
     `evaluate_at` (0 = before training) goes into the returned curve. Evaluation time is not training time.
@@ -200,16 +223,16 @@ def tune(
     `keep_best`: at each of those steps `select(model)` (default: exact match on `split.validation`, never the
     held-out items) decides whether the step is the best so far; training stops when `keep_best.patience`
     evaluations in a row did not improve, and the model ends with the best step's values."""
-    score = score or (lambda m: exact_match(m, tokenizer, split.held_out))
+    score = score or (lambda m: exact_match(m, tokenizer, split.held_out, form=form))
     if keep_best is not None and select is None:
         if not split.validation:
             raise ValueError("`keep_best` needs `select` or a `split.validation` to choose the best step by.")
-        select = lambda m: exact_match(m, tokenizer, split.validation)  # noqa: E731
+        select = lambda m: exact_match(m, tokenizer, split.validation, form=form)  # noqa: E731
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     scheduler = schedule(opt, steps) if schedule is not None else None
     rng = random.Random(seed)
-    encoded = [encode(tokenizer, country, capital) for country, capital in split.train]
+    encoded = [encode(tokenizer, country, capital, form=form) for country, capital in split.train]
     pad = _pad_id(tokenizer)
     curve, spent, cpu, losses = Curve(), 0.0, 0.0, []
 

@@ -6,8 +6,10 @@ data shipped inside packages on the index (fetched into the cache, never install
 - `subdivisions`: a province, state, region... -> its country (pycountry's ISO 3166-2; names found once).
 - `emoji`: an emoji -> its English name (the `emoji` package; fully qualified, no skin tones).
 
-Each task is split once, the same on every machine: sorted, shuffled with a fixed seed, then 400 held out, 100 for
-validation (picking the best step), and the rest (at most 800) to train on.
+Each task comes in two forms: `plain` (`"Osaka -> Japan\\n"`) and `chat` (the key as the user's turn, the answer as
+the assistant's, through the tokenizer's chat template without a system turn). Each task is split once, the same on
+every machine: sorted, shuffled with a fixed seed, then 400 held out, 100 for validation (picking the best step), and
+the rest (at most 800) to train on.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import random
 from collections import Counter
 from typing import Callable, Optional
 
-from .capitals import Split
+from ..distill.data import student_text
+from .capitals import PLAIN, Form, Split
 from .fetch import DATA_WHEELS, read_wheel_files
 
 SPLIT_SEED = 0
@@ -87,3 +90,33 @@ def load_task(name: str, cache_dir: Optional[str] = None) -> Split:
     random.Random(SPLIT_SEED).shuffle(pairs)
     held_out, validation = pairs[:HELD_OUT], pairs[HELD_OUT : HELD_OUT + VALIDATION]
     return Split(pairs[HELD_OUT + VALIDATION :][:MAX_TRAIN], held_out, validation)
+
+
+def chat_form(tokenizer) -> Form:
+    """The key as the user's turn and the answer as the assistant's, rendered by the tokenizer's chat template without
+    a system turn (a soft prompt takes its place, or sits inside one); the answer's text ends with the turn's end."""
+
+    def question(key: str) -> str:
+        return student_text(tokenizer, [{"role": "user", "content": key}])
+
+    def answer(value: str) -> str:
+        asked = question("?")
+        whole = student_text(tokenizer, [{"role": "user", "content": "?"}, {"role": "assistant", "content": value}])
+        if not whole.startswith(asked):
+            raise ValueError(
+                "`tokenizer`'s chat template renders the assistant's turn apart from its generation prompt "
+                f"({whole!r} does not start with {asked!r}); use the plain form."
+            )
+        return whole[len(asked) :]
+
+    return Form(question, answer)
+
+
+FORMS: dict[str, Callable[[object], Form]] = {"plain": lambda tokenizer: PLAIN, "chat": chat_form}
+
+
+def form_of(name: str, tokenizer) -> Form:
+    """The form `name` (one of `FORMS`) for `tokenizer`."""
+    if name not in FORMS:
+        raise ValueError(f"`form` must be one of {sorted(FORMS)}, got {name!r}.")
+    return FORMS[name](tokenizer)

@@ -110,7 +110,9 @@ def around(soft: torch.Tensor, embedding: nn.Embedding, config: Config) -> torch
 
 def refuse_second_bos(configs: dict, adapters: list[str], rows, input_ids, attention_mask, bos_id) -> None:
     """A row whose text starts with BOS while its adapter's prefix already starts with BOS would read it twice:
-    refused, naming the row and the fix (the one BOS the model saw in training is the prefix's)."""
+    refused, naming the row and the fix (the one BOS the model saw in training is the prefix's). A text holding the
+    BOS id more than once uses it to open turns (ChatML templates whose `<|im_start|>` is the BOS), not to start the
+    document: that text starts a turn, and is left alone."""
     if input_ids is None or bos_id is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return
     with_bos = [i for i, a in enumerate(adapters) if (configs[a].prompt_prefix_ids or [None])[0] == bos_id]
@@ -123,6 +125,13 @@ def refuse_second_bos(configs: dict, adapters: list[str], rows, input_ids, atten
     else:
         first = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
     starts = input_ids.gather(1, first[:, None]).squeeze(1) == bos_id  # [B]
+    real = (
+        attention_mask.to(input_ids.device).bool()
+        if attention_mask is not None and attention_mask.dim() == 2
+        else None
+    )
+    held = (input_ids == bos_id) & (real if real is not None else True)  # [B, L]
+    starts &= held.sum(dim=1) == 1  # BOS once: the document's start
     reads = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     adapter_of = torch.zeros(batch, dtype=torch.long) if rows is None else rows.repeat_interleave(batch // len(rows))
     for index in with_bos:
