@@ -359,3 +359,30 @@ def test_real_checkpoint_teacher_is_the_hard_prompt_and_the_default_system_promp
     attach_teacher(model, prepared.prefix_ids)
     logits = teacher_logits(model, scored_batch([Sample(suffix, 0)], tok.pad_token_id, "cpu"))[0]
     torch.testing.assert_close(logits, hard, atol=1e-4, rtol=1e-4)
+
+
+def test_a_distilled_hard_prompt_is_a_starting_point_for_label_training(tiny_model_dir, tmp_path):
+    # The second starting point: a few-shot prompt compressed by distill_prompt, then trained on labels.
+    from peft import get_peft_model
+
+    from peft_softprompt_plus import SoftPromptPlusConfig
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    few_shot = "red -> blue\ncat -> dog\none -> two\n"
+    distilled = distill_prompt(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), tok, few_shot, chat=False, user_turns=USERS,
+        num_virtual_tokens=4, steps=2, batch_size=4, max_new_tokens=4,
+    )  # fmt: skip
+    distilled.save_pretrained(tmp_path / "few-shot")
+    config = SoftPromptPlusConfig(
+        task_type="CAUSAL_LM",
+        num_virtual_tokens=6,
+        prompt_init="adapter",
+        prompt_init_adapter=str(tmp_path / "few-shot"),
+    )
+    student = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config)
+    start = student.base_model.prompt("default")
+    assert torch.equal(start[:4], distilled.base_model.prompt("default")) and start.requires_grad
+    ids = torch.tensor([_ids(tok, "fish -> bird\n")])
+    student(input_ids=ids, labels=ids).loss.backward()
+    assert start.grad is not None and start.grad[:4].abs().sum() > 0
