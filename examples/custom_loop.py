@@ -1,4 +1,5 @@
-"""A custom training loop that proves gradients reach the soft prompt before it trains, then trains it.
+"""A custom training loop that proves gradients reach the soft prompt before it trains, then trains it, keeping the
+step with the lowest held-out loss and stopping when it stops improving (`KeepBest`).
 
 Offline by default (the package's tiny seeded GPT-2); `--model PATH` runs it on a real GPT-2 checkpoint.
 
@@ -16,7 +17,7 @@ import torch
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from peft_softprompt_plus import SoftPromptPlusConfig, check_gradient_flow
+from peft_softprompt_plus import KeepBest, SoftPromptPlusConfig, check_gradient_flow
 from peft_softprompt_plus.apps.tiny import tiny_gpt2, tiny_tokenizer
 
 TEXTS = [
@@ -25,6 +26,7 @@ TEXTS = [
     "gradients flow from the loss back to the prompt through the frozen model",
     "one two three four five six seven eight nine ten",
 ]
+HELD_OUT = ["the lazy dog jumps over the quick brown fox", "ten nine eight seven six five four three two one"]
 
 
 def load(path: str | None):
@@ -37,8 +39,8 @@ def load(path: str | None):
     return AutoModelForCausalLM.from_pretrained(path), tokenizer
 
 
-def make_batch(tokenizer) -> dict:
-    batch = dict(tokenizer(TEXTS, return_tensors="pt", padding=True))
+def make_batch(tokenizer, texts=TEXTS) -> dict:
+    batch = dict(tokenizer(texts, return_tensors="pt", padding=True))
     batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # no loss on padding
     return batch
 
@@ -63,14 +65,23 @@ def main() -> None:
     print("before training:", report)
     report.raise_if_failed()
 
-    model.train()
+    held_out, keep = make_batch(tokenizer, HELD_OUT), KeepBest(patience=2, higher_is_better=False)
     for step in range(1, args.steps + 1):
+        model.train()
         loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         if step == 1 or step % 10 == 0:
-            print(f"step {step:3d}  loss {loss.item():.4f}")
+            model.eval()
+            with torch.no_grad():
+                held_out_loss = model(**held_out).loss.item()
+            print(f"step {step:3d}  loss {loss.item():.4f}  held-out loss {held_out_loss:.4f}")
+            if keep.update(model, held_out_loss, step):
+                print(f"held-out loss has not improved for {keep.patience} evaluations: stopping")
+                break
+    keep.restore(model)  # the prompt of the best evaluation, in place
+    print(f"kept step {keep.best_step} (held-out loss {keep.best_score:.4f})")
 
     print("\nthe same check with the optimizer built before attaching the adapter:")
     print(check_gradient_flow(model, batch, stale))

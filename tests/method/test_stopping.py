@@ -56,3 +56,17 @@ def test_bad_scores_and_early_restore_are_named(make_peft, make_base):
     keep.update(model, 1.0, 0)
     with pytest.raises(ValueError, match="lacks the parameters"):
         keep.restore(make_base())
+
+
+def test_the_custom_loop_example_keeps_its_best_step(capsys, monkeypatch):
+    import pathlib
+    import runpy
+    import sys
+
+    example = pathlib.Path(__file__).resolve().parents[2] / "examples" / "custom_loop.py"
+    monkeypatch.setattr(sys, "argv", [str(example), "--steps", "30"])
+    runpy.run_path(str(example), run_name="__main__")
+    out = capsys.readouterr().out
+    losses = {int(line.split()[1]): float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")}
+    kept = int(out.split("kept step ")[1].split()[0])
+    assert kept == min(losses, key=lambda s: (losses[s], s)) and "[not_in_optimizer]" in out
