@@ -195,3 +195,22 @@ def test_prefixes_the_model_cant_read_are_refused_and_the_base_handed_back(make_
             get_peft_model(make_base(), unreadable)
     readable = SoftPromptPlusConfig(task_type="CAUSAL_LM", prompt_suffix="hello there", tokenizer_name_or_path=words)
     assert get_peft_model(make_base(), readable).peft_config["default"].prompt_suffix_ids == [2, 3]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "bloom"])  # rotary, scaled embeddings + window, concat-only
+@pytest.mark.parametrize("task", ["CAUSAL_LM", "SEQ_CLS"])
+def test_every_family_and_task_reads_the_placed_prompt_exactly(family, task):
+    from peft_softprompt_plus.apps.tiny import tiny_family
+
+    config = SoftPromptPlusConfig(
+        task_type=task, num_virtual_tokens=3, init_seed=2, prompt_prefix_ids=[5, 6], prompt_suffix_ids=[8]
+    )
+    model = get_peft_model(tiny_family(family, task=task), config).eval()
+    ids, mask = _batch()
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask).logits
+        reference = reference_logits(tiny_family(family, task=task), _rows(model), ids, mask)
+    if task == "CAUSAL_LM":
+        torch.testing.assert_close(ours[mask.bool()], reference[mask.bool()], atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
