@@ -112,31 +112,21 @@ def refuse_second_bos(configs: dict, adapters: list[str], rows, input_ids, atten
     """A row whose text starts with BOS while its adapter's prefix already starts with BOS would read it twice:
     refused, naming the row and the fix (the one BOS the model saw in training is the prefix's). A text holding the
     BOS id more than once uses it to open turns (ChatML templates whose `<|im_start|>` is the BOS), not to start the
-    document: that text starts a turn, and is left alone."""
-    if input_ids is None or bos_id is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+    document: that text starts a turn, and is left alone. `rows[b]` indexes `adapters` (None: every row reads 0)."""
+    if bos_id is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return
     with_bos = [i for i, a in enumerate(adapters) if (configs[a].prompt_prefix_ids or [None])[0] == bos_id]
     if not with_bos:
         return
-    batch = input_ids.shape[0]
-    if attention_mask is not None and attention_mask.dim() == 2:
-        mask = attention_mask.to(input_ids.device).bool()
-        first = mask.long().argmax(dim=1)  # [B] first real position (left padding)
-    else:
-        first = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
-    starts = input_ids.gather(1, first[:, None]).squeeze(1) == bos_id  # [B]
-    real = (
-        attention_mask.to(input_ids.device).bool()
-        if attention_mask is not None and attention_mask.dim() == 2
-        else None
-    )
-    held = (input_ids == bos_id) & (real if real is not None else True)  # [B, L]
-    starts &= held.sum(dim=1) == 1  # BOS once: the document's start
-    reads = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    batch, device = input_ids.shape[0], input_ids.device
+    two_d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+    real = attention_mask.to(device).bool() if two_d else torch.ones_like(input_ids, dtype=torch.bool)  # [B, L]
+    first = real.long().argmax(dim=1)  # [B] the first real position (under left padding)
+    bos = (input_ids == bos_id) & real  # [B, L]
+    document_start = bos.gather(1, first[:, None]).squeeze(1) & (bos.sum(dim=1) == 1)  # [B]
     adapter_of = torch.zeros(batch, dtype=torch.long) if rows is None else rows.repeat_interleave(batch // len(rows))
-    for index in with_bos:
-        reads |= (adapter_of == index).to(reads.device)
-    doubled = (starts & reads).nonzero().flatten().tolist()
+    reads_bos = torch.isin(adapter_of, torch.tensor(with_bos, device=adapter_of.device)).to(device)  # [B]
+    doubled = (document_start & reads_bos).nonzero().flatten().tolist()
     if doubled:
         name = adapters[int(adapter_of[doubled[0]])]
         raise ValueError(
