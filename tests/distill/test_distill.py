@@ -329,13 +329,16 @@ def test_cli_distill_end_to_end_writes_a_loadable_adapter(chat_dir, tmp_path, ca
     out = tmp_path / "adapter"
     argv = ["distill", "--model", chat_dir, "--system-prompt-file", str(tmp_path / "system.txt"), "--out", str(out)]
     argv += ["--num-virtual-tokens", "3", "--steps", "4", "--user-file", str(tmp_path / "users.txt")]
-    assert cli_main(argv + ["--batch-size", "4"]) == 0
+    assert cli_main(argv + ["--batch-size", "4", "--in-system-turn"]) == 0
     printed = capsys.readouterr().out
     assert "step 4/4: training KL" in printed and "gap closed" in printed and "first 16 tokens" in printed
     assert "adapter saved to" in printed
     assert set(load_file(out / "adapter_model.safetensors")) == {SAVED_KEY}
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chat_dir), out)
     assert list(reloaded.peft_config) == ["default"] and reloaded.peft_config["default"].num_virtual_tokens == 3
+    assert reloaded.peft_config["default"].prompt_prefix_ids == _ids(
+        AutoTokenizer.from_pretrained(chat_dir), "<|im_start|>system\n"
+    )
 
 
 @pytest.mark.slow
