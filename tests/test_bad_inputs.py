@@ -247,6 +247,20 @@ CASES = [
         ["`modules_to_save`", "'ln_ff'", "ln_f"],
     ),
     ("attach tied lm_head", _attach(modules_to_save=["lm_head"]), ValueError, ["`modules_to_save`", "tied"]),
+    (
+        "attach prefix + N + suffix >= positions",
+        _attach(num_virtual_tokens=100, prompt_prefix_ids=[5] * 20, prompt_suffix_ids=[6] * 8),
+        ValueError,
+        ["128 positions (prompt_prefix_ids 20 + num_virtual_tokens 100 + prompt_suffix_ids 8)", "128 positions."],
+    ),
+    ("attach prefix outside the vocabulary", _attach(prompt_prefix_ids=[10**6]), ValueError, ["`prompt_prefix_ids`"]),
+    (
+        "attach from a folder that is no adapter",
+        _attach(prompt_init="adapter", prompt_init_adapter="/no/such/adapter"),
+        ValueError,
+        ["`prompt_init_adapter`='/no/such/adapter'", "adapter_config.json"],
+    ),
+    ("config prefix ids not ints", _config(prompt_prefix_ids=["a"]), ValueError, ["`prompt_prefix_ids`", "['a']"]),
     ("attach tied wte", _attach(modules_to_save=["wte"]), ValueError, ["`modules_to_save`", "'wte'", "tied"]),
     (
         "attach SEQ_CLS to an LM",

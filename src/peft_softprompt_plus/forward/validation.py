@@ -186,6 +186,17 @@ def _check_modules_to_save(model: nn.Module, wanted, task) -> None:
             )
 
 
+def check_placed_room(model: nn.Module, prefix: int, num_virtual: int, suffix: int) -> None:
+    """With a hard prefix and suffix, the whole prompt must still leave room for text (checked once they are ids)."""
+    limit, length = semantics.max_positions(getattr(model, "config", None)), prefix + num_virtual + suffix
+    if limit is not None and length >= limit:
+        raise ValueError(
+            f"The prompt takes {length} positions (prompt_prefix_ids {prefix} + num_virtual_tokens {num_virtual} + "
+            f"prompt_suffix_ids {suffix}), which leaves no room for text: {type(model).__name__} has {limit} "
+            "positions. Use fewer virtual tokens or a shorter prefix or suffix."
+        )
+
+
 def check_attach(model: nn.Module, config, task) -> None:
     """The model and config of an attach, checked before anything is allocated."""
     limit = semantics.max_positions(getattr(model, "config", None))

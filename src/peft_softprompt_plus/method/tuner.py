@@ -72,6 +72,8 @@ class SoftPromptPlusModel(BaseTuner):
                 raise forward_paths.shared_kv_refused(model, forward_paths.OUTSIDE_REGISTRY)
             embedding = model.get_input_embeddings()
             placement.resolve(config, embedding)  # the hard prefix/suffix as ids, stored in the config
+            prefix, suffix = placement.hard_ids(config)
+            validation.check_placed_room(model, len(prefix), config.num_virtual_tokens, len(suffix))
             values = initial_prompt(config, embedding, model.config)
             # An inference-mode adapter is a folded table (what save_pretrained writes): it needs no encoder.
             encoder = None if config.inference_mode else reparam.encoder_for(config, embedding)
