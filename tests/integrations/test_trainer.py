@@ -146,27 +146,25 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path, tokenizer):
     assert not torch.equal(at_two, prompt_of(straight))  # steps 3 and 4 really ran after the resume
 
 
-def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path, tokenizer):
+def _highest_loss_trainer(tmp_path, tokenizer, model, max_steps: int, callbacks=()) -> Trainer:
+    """A Trainer that evaluates and saves every step and keeps the checkpoint with the *highest* eval loss. Training
+    lowers the eval loss, so the best checkpoint is an early one: the final prompt can only match it if the Trainer
+    really reloaded the adapter."""
     data = lm_dataset(tokenizer)
-    model = prompted()
-    # Training lowers the eval loss, so asking for the *highest* one makes the best checkpoint an early one: the final
-    # prompt can then only match it if the Trainer really reloaded the adapter.
-    trainer = Trainer(
+    settings = dict(eval_strategy="steps", eval_steps=1, save_steps=1, load_best_model_at_end=True)
+    best = dict(metric_for_best_model="eval_loss", greater_is_better=True)
+    return Trainer(
         model=model,
-        args=args(
-            tmp_path,
-            max_steps=3,
-            learning_rate=5e-2,
-            eval_strategy="steps",
-            eval_steps=1,
-            save_steps=1,
-            load_best_model_at_end=True,
-            metric_for_best_model="eval_loss",
-            greater_is_better=True,
-        ),
+        args=args(tmp_path, max_steps=max_steps, learning_rate=5e-2, **settings, **best),
         train_dataset=data,
         eval_dataset=data,
+        callbacks=list(callbacks),
     )
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path, tokenizer):
+    model = prompted()
+    trainer = _highest_loss_trainer(tmp_path, tokenizer, model, max_steps=3)
     trainer.train()
 
     eval_losses = [log["eval_loss"] for log in trainer.state.log_history if "eval_loss" in log]
@@ -184,27 +182,10 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path, tokenizer
 
 
 def test_early_stopping_stops_and_keeps_the_best_prompt(tmp_path, tokenizer):
-    data = lm_dataset(tokenizer)
+    # The first evaluation is the best; the second runs out the patience.
     model = prompted()
-    # Training lowers the eval loss, so asking for the highest makes the first evaluation the best: the second runs out
-    # the patience, and the prompt left in the model must be the first checkpoint's, not the last step's.
-    trainer = Trainer(
-        model=model,
-        args=args(
-            tmp_path,
-            max_steps=10,
-            learning_rate=5e-2,
-            eval_strategy="steps",
-            eval_steps=1,
-            save_steps=1,
-            load_best_model_at_end=True,
-            metric_for_best_model="eval_loss",
-            greater_is_better=True,
-        ),
-        train_dataset=data,
-        eval_dataset=data,
-        callbacks=[EarlyStoppingCallback(early_stopping_patience=1)],
-    )
+    stop = EarlyStoppingCallback(early_stopping_patience=1)
+    trainer = _highest_loss_trainer(tmp_path, tokenizer, model, max_steps=10, callbacks=[stop])
     trainer.train()
     assert trainer.state.global_step == 2  # stopped, not 10
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-1")
