@@ -3,14 +3,19 @@ recipe was never tuned on it) distilled on SmolLM2-135M-Instruct, each arm score
 part of the prompt, in a form no training turn uses) by the share of the part's facts its greedy reply states, next
 to the teacher and no system prompt, and on held-out per-token KL. Method: docs/distillation.md.
 
-    python bench/bench_distill_content.py                 # 3 arms, N=16, 60 steps, one seed (about 40 min)
+    python bench/bench_distill_content.py                 # the first 3 arms, N=16, 60 steps, one seed (about 40 min)
+    python bench/bench_distill_content.py --arm "+ in the system turn" --arm "+ in the system turn, N=32" --seed 1
     python bench/bench_distill_content.py --steps 20      # a smoke run
+
+The teacher's samples for a seed are drawn once and kept in bench/out/ (`--fresh` draws them again), so arms run in
+separate processes score on the same probes and held-out turns.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import time
 from pathlib import Path
 
@@ -21,12 +26,24 @@ from peft_softprompt_plus import distill_prompt
 from peft_softprompt_plus.apps.fetch import fetch_checkpoint
 
 DATA = Path(__file__).resolve().parent / "distill_content"
-# name -> (turns_per_part, answer_weight, num_virtual_tokens, the arm whose teacher samples it reuses)
+OUT = Path(__file__).resolve().parent / "out"
+# name -> (turns_per_part, answer_weight, num_virtual_tokens, in_system_turn); arms with the same turns_per_part
+# share the teacher's samples
 ARMS = {
-    "generic turns (0.3 defaults)": (0, 0.0, 16, None),
-    "+ 3 turns per part": (3, 0.0, 16, None),
-    "+ 3 turns per part, answer weight 0.5": (3, 0.5, 16, "+ 3 turns per part"),
+    "generic turns (0.3 defaults)": (0, 0.0, 16, False),
+    "+ 3 turns per part": (3, 0.0, 16, False),
+    "+ 3 turns per part, answer weight 0.5": (3, 0.5, 16, False),
+    "+ in the system turn": (3, 0.5, 16, True),
+    "+ in the system turn, N=32": (3, 0.5, 32, True),
+    "+ in the system turn, N=64": (3, 0.5, 64, True),
 }
+DEFAULT_ARMS = list(ARMS)[:3]
+
+
+def _samples(seed: int, per_part: int, fresh: bool):
+    """The teacher's samples kept from an earlier process for this seed and turns per part, or None."""
+    path = OUT / f"distill_content_samples-seed{seed}-parts{per_part}.pkl"
+    return path, (None if fresh or not path.exists() else pickle.loads(path.read_bytes()))
 
 
 def main() -> None:
@@ -35,27 +52,40 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--arm", action="append", help=f"one arm, repeatable (default the first 3): {list(ARMS)}")
+    parser.add_argument("--fresh", action="store_true", help="draw the teacher's samples again")
     args = parser.parse_args()
+    names = args.arm or DEFAULT_ARMS
+    unknown = [name for name in names if name not in ARMS]
+    if unknown:
+        raise SystemExit(f"--arm: unknown {unknown}; known: {list(ARMS)}")
     torch.set_num_threads(args.threads)
     path = fetch_checkpoint("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(path)
     system_prompt = (DATA / "system_prompt.txt").read_text().strip()
-    results, samples = {}, {}
-    for name, (per_part, weight, n, reuse) in ARMS.items():
+    results = {}
+    OUT.mkdir(exist_ok=True)
+    for name in names:
+        per_part, weight, n, in_turn = ARMS[name]
+        kept, samples = _samples(args.seed, per_part, args.fresh)
+        args.fresh = False  # drawn once per run
         began = time.perf_counter()
         model = distill_prompt(
             AutoModelForCausalLM.from_pretrained(path), tokenizer, system_prompt,
             num_virtual_tokens=n, steps=args.steps, seed=args.seed, turns_per_part=per_part, answer_weight=weight,
-            samples=samples.get(reuse), progress=lambda line: print("  " + line, flush=True),
+            in_system_turn=in_turn, samples=samples, progress=lambda line: print("  " + line, flush=True),
         )  # fmt: skip
         report = model.distill_report
-        samples[name] = report.samples
+        if samples is None:
+            kept.write_bytes(pickle.dumps(report.samples))
         c = report.content
         results[name] = dict(
             gap_closed=report.gap_closed, kl=report.student.kl, kl_none=report.none.kl, probes=c.probes,
             teacher=c.teacher, student=c.student, none=c.none, kept=c.kept, seconds=time.perf_counter() - began,
-            replies=c.replies,
+            replies=c.replies, seed=args.seed, steps=args.steps, samples_reused=samples is not None,
         )  # fmt: skip
+        with open(OUT / "distill_content.jsonl", "a") as log:
+            log.write(json.dumps({"arm": name, **{k: v for k, v in results[name].items() if k != "replies"}}) + "\n")
         print(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'replies'})}", flush=True)
     print("\n| arm | KL gap closed | content: teacher / student / none | kept | probes |\n|---|---|---|---|---|")
     for name, r in results.items():

@@ -62,10 +62,19 @@ def _system_turn(base, seed, tokenizer, split):
     return q._ours(tokenizer_name_or_path=tokenizer.name_or_path, **turn)(base, seed, tokenizer, split)
 
 
+def _few_shot_after(base, seed, tokenizer, split):
+    # The soft tokens, then the very 3 examples hard-3shot reads for this seed (plain form), frozen, then the question:
+    # placement lets the prompt learn what the examples leave out instead of relearning the format.
+    text = capitals.few_shot_prefix(random.Random(seed).sample(split.train, 3))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return q._ours(prompt_suffix_ids=ids)(base, seed, tokenizer, split)
+
+
 EXTRA = {  # the options issue 30 adds, on top of bench_quality's variants
     "ours-bos": q.Variant("this library, the document start (<|endoftext|>) as a hard prefix", _bos_prefix),
     "ours-transfer": q.Variant("this library, started from ours-vocab trained on a related task", None),
     "ours-system-turn": q.Variant("this library, the soft tokens inside a system turn (chat form)", _system_turn),
+    "ours-3shot-after": q.Variant("this library, hard-3shot's examples as frozen suffix (plain)", _few_shot_after),
 }
 
 
@@ -169,10 +178,15 @@ def bootstrap(runs_a: list[list[bool]], runs_b: Optional[list[list[bool]]] = Non
     return point, values[int(0.025 * draws)], values[int(0.975 * draws) - 1]
 
 
-def _fmt(triple: tuple, seeds: int, signed: bool = False) -> str:
+def _fmt(triple: tuple, seeds, signed: bool = False) -> str:
+    """`seeds`: the runs behind the figure, an int or "5 vs 2" for a difference of two arms."""
     point, low, high = triple
     sign = "+" if signed else ""
     return f"{point:{sign}.1f} [{low:{sign}.1f}, {high:{sign}.1f}] (n={seeds})" if seeds else "–"
+
+
+def _pair(a: list, b: list) -> str:
+    return f"{len(a)} vs {len(b)}"
 
 
 def cmd_report(args) -> None:
@@ -240,21 +254,31 @@ def _differences(mine: dict, budget: float) -> None:
     ours = mine[REFERENCE]
     print("\n| comparison | points [95% interval] | target |")
     print("|---|---|---|")
-    pairs = [("hard-3shot", _final, ">= +15"), ("peft-pt-vocab", _final, "context")]
-    for other, pick, target in pairs:
+    peft = ("peft-pt-vocab", "peft-pt-random", "peft-p-tuning", "peft-lora-r8")
+    for other in ("hard-3shot", *peft):
         if other in mine:
-            diff = bootstrap([pick(r) for r in ours], [pick(r) for r in mine[other]])
-            print(f"| {REFERENCE} - {other}, step 120 | {_fmt(diff, len(ours), True)} | {target} |")
-    for other in ("peft-pt-vocab", "peft-pt-random"):
+            diff = bootstrap([_final(r) for r in ours], [_final(r) for r in mine[other]])
+            target = ">= +15" if other == "hard-3shot" else "context"
+            print(f"| {REFERENCE} - {other}, step 120 | {_fmt(diff, _pair(ours, mine[other]), True)} | {target} |")
+    for other in peft:
         if other in mine:
             diff = bootstrap([_within(r, budget) for r in ours], [_within(r, budget) for r in mine[other]])
-            print(f"| {REFERENCE} - {other}, equal time | {_fmt(diff, len(ours), True)} | >= +5 |")
+            target = ">= +5" if other.startswith("peft-pt-") else "context"
+            print(f"| {REFERENCE} - {other}, equal time | {_fmt(diff, _pair(ours, mine[other]), True)} | {target} |")
+    placed, hard = mine.get("ours-3shot-after"), mine.get("hard-3shot")
+    if placed and hard:  # placement as a route to the 3-shot target
+        diff = bootstrap([_final(r) for r in placed], [_final(r) for r in hard])
+        print(f"| ours-3shot-after - hard-3shot, step 120 | {_fmt(diff, _pair(placed, hard), True)} | >= +15 |")
     keep = bootstrap([_final(r, True) for r in ours], [_final(r) for r in ours])
     print(f"| {REFERENCE} + keep best - {REFERENCE} | {_fmt(keep, len(ours), True)} | option effect |")
-    for option in ("ours-bos", "ours-transfer", "ours-system-turn", "ours-labels", "ours-random"):
+    for option in ("ours-bos", "ours-transfer", "ours-system-turn", "ours-3shot-after", "ours-labels", "ours-random"):
         if option in mine:
-            diff = bootstrap([_final(r) for r in mine[option]], [_final(r) for r in ours])
-            print(f"| {option} - {REFERENCE}, step 120 | {_fmt(diff, len(mine[option]), True)} | option effect |")
+            diff = _fmt(
+                bootstrap([_final(r) for r in mine[option]], [_final(r) for r in ours]),
+                _pair(mine[option], ours),
+                True,
+            )
+            print(f"| {option} - {REFERENCE}, step 120 | {diff} | option effect |")
 
 
 def main() -> None:
