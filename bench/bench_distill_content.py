@@ -33,6 +33,7 @@ ARMS = {
     "generic turns (0.3 defaults)": (0, 0.0, 16, False),
     "+ 3 turns per part": (3, 0.0, 16, False),
     "+ 3 turns per part, answer weight 0.5": (3, 0.5, 16, False),
+    "+ 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, False),
     "+ in the system turn": (3, 0.5, 16, True),
     "+ in the system turn, N=32": (3, 0.5, 32, True),
     "+ in the system turn, N=64": (3, 0.5, 64, True),
