@@ -85,9 +85,10 @@ def main() -> None:
             teacher=c.teacher, student=c.student, none=c.none, kept=c.kept, seconds=time.perf_counter() - began,
             replies=c.replies, seed=args.seed, steps=args.steps, samples_reused=samples is not None,
         )  # fmt: skip
+        figures = {k: v for k, v in results[name].items() if k != "replies"}
         with open(OUT / "distill_content.jsonl", "a") as log:
-            log.write(json.dumps({"arm": name, **{k: v for k, v in results[name].items() if k != "replies"}}) + "\n")
-        print(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'replies'})}", flush=True)
+            log.write(json.dumps({"arm": name, **figures}) + "\n")
+        print(f"{name}: {json.dumps(figures)}", flush=True)
     print("\n| arm | KL gap closed | content: teacher / student / none | kept | probes |\n|---|---|---|---|---|")
     for name, r in results.items():
         print(

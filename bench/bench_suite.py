@@ -62,10 +62,15 @@ def _system_turn(base, seed, tokenizer, split):
     return q._ours(tokenizer_name_or_path=tokenizer.name_or_path, **turn)(base, seed, tokenizer, split)
 
 
+def _shots(split, seed: int, count: int, form: capitals.Form = capitals.PLAIN) -> str:
+    """The hard prompt of `count` training pairs drawn for `seed`: the same pairs wherever the seed is the same."""
+    return capitals.few_shot_prefix(random.Random(seed).sample(split.train, count), form)
+
+
 def _few_shot_after(base, seed, tokenizer, split):
-    # The soft tokens, then the very 3 examples hard-3shot reads for this seed (plain form), frozen, then the question:
+    # The soft tokens, then the very examples hard-3shot reads for this seed (plain form), frozen, then the question:
     # placement lets the prompt learn what the examples leave out instead of relearning the format.
-    text = capitals.few_shot_prefix(random.Random(seed).sample(split.train, 3))
+    text = _shots(split, seed, q.VARIANTS["hard-3shot"].shots)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return q._ours(prompt_suffix_ids=ids)(base, seed, tokenizer, split)
 
@@ -96,7 +101,7 @@ def run_one(spec: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...
     record = {"task": spec, "variant": name, "lr": variant.lr, "seed": seed, "threads": torch.get_num_threads()}
     start = time.perf_counter()
     if variant.build is None:
-        prefix = capitals.few_shot_prefix(random.Random(seed).sample(split.train, variant.shots), form)
+        prefix = _shots(split, seed, variant.shots, form)
         items = capitals.matches(base, tokenizer, split.held_out, prefix, form=form)
         record.update(steps=[0], cpu=[0.0], items=[items], validation=[None])
     else:
