@@ -6,6 +6,8 @@ to the teacher and no system prompt, and on held-out per-token KL. Method: docs/
     python bench/bench_distill_content.py                 # the first 3 arms, N=16, 60 steps, one seed (about 40 min)
     python bench/bench_distill_content.py --arm "+ in the system turn" --arm "+ in the system turn, N=32" --seed 1
     python bench/bench_distill_content.py --steps 20      # a smoke run
+    python bench/bench_distill_content.py --steps 120 --evaluate-at 30,60,90 --seed 2 \
+        --arm "+ 3 turns per part, answer weight 0.5, N=64"   # the docs' recommendation, with its KL curve
 
 The teacher's samples for a seed are drawn once and kept in bench/out/ (`--fresh` draws them again), so arms run in
 separate processes score on the same probes and held-out turns.
@@ -24,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus import distill_prompt
 from peft_softprompt_plus.apps.fetch import fetch_checkpoint
+from peft_softprompt_plus.distill.score import gap_closed
 
 DATA = Path(__file__).resolve().parent / "distill_content"
 OUT = Path(__file__).resolve().parent / "out"
@@ -34,6 +37,7 @@ ARMS = {
     "+ 3 turns per part": (3, 0.0, 16, False),
     "+ 3 turns per part, answer weight 0.5": (3, 0.5, 16, False),
     "+ 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, False),
+    "+ 3 turns per part, answer weight 0.5, N=64": (3, 0.5, 64, False),
     "+ in the system turn": (3, 0.5, 16, True),
     "+ in the system turn, N=32": (3, 0.5, 32, True),
     "+ in the system turn, N=64": (3, 0.5, 64, True),
@@ -51,6 +55,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=3e-2)
+    parser.add_argument("--evaluate-at", default="", help="comma-separated steps at which held-out KL is measured too")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--arm", action="append", help=f"one arm, repeatable (default the first 3): {list(ARMS)}")
@@ -61,6 +67,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--arm: unknown {unknown}; known: {list(ARMS)}")
     torch.set_num_threads(args.threads)
+    evaluate_at = [int(step) for step in args.evaluate_at.split(",") if step]
     path = fetch_checkpoint("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(path)
     system_prompt = (DATA / "system_prompt.txt").read_text().strip()
@@ -74,7 +81,8 @@ def main() -> None:
         model = distill_prompt(
             AutoModelForCausalLM.from_pretrained(path), tokenizer, system_prompt,
             num_virtual_tokens=n, steps=args.steps, seed=args.seed, turns_per_part=per_part, answer_weight=weight,
-            in_system_turn=in_turn, samples=samples, progress=lambda line: print("  " + line, flush=True),
+            in_system_turn=in_turn, samples=samples, lr=args.lr, evaluate_at=evaluate_at,
+            progress=lambda line: print("  " + line, flush=True),
         )  # fmt: skip
         report = model.distill_report
         if samples is None:
@@ -83,7 +91,8 @@ def main() -> None:
         results[name] = dict(
             gap_closed=report.gap_closed, kl=report.student.kl, kl_none=report.none.kl, probes=c.probes,
             teacher=c.teacher, student=c.student, none=c.none, kept=c.kept, seconds=time.perf_counter() - began,
-            replies=c.replies, seed=args.seed, steps=args.steps, samples_reused=samples is not None,
+            replies=c.replies, seed=args.seed, steps=args.steps, lr=args.lr, samples_reused=samples is not None,
+            curve={p.step: round(gap_closed(p.held_out, report.none), 4) for p in report.curve},
         )  # fmt: skip
         figures = {k: v for k, v in results[name].items() if k != "replies"}
         with open(OUT / "distill_content.jsonl", "a") as log:
