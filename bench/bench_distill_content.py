@@ -8,6 +8,8 @@ to the teacher and no system prompt, and on held-out per-token KL. Method: docs/
     python bench/bench_distill_content.py --steps 20      # a smoke run
     python bench/bench_distill_content.py --steps 120 --evaluate-at 30,60,90 --seed 2 \
         --arm "+ 3 turns per part, answer weight 0.5, N=64"   # the docs' recommendation, with its KL curve
+    python bench/bench_distill_content.py --steps 120 --max-new-tokens 64 \
+        --arm "+ 3 turns per part, answer weight 0.5, N=64"   # longer teacher continuations to train on
 
 The teacher's samples for a seed are drawn once and kept in bench/out/ (`--fresh` draws them again), so arms run in
 separate processes score on the same probes and held-out turns.
@@ -45,9 +47,11 @@ ARMS = {
 DEFAULT_ARMS = list(ARMS)[:3]
 
 
-def _samples(seed: int, per_part: int, fresh: bool):
-    """The teacher's samples kept from an earlier process for this seed and turns per part, or None."""
-    path = OUT / f"distill_content_samples-seed{seed}-parts{per_part}.pkl"
+def _samples(seed: int, per_part: int, length: int, fresh: bool):
+    """The teacher's samples kept from an earlier process for this seed, turns per part and continuation length, or
+    None."""
+    tail = "" if length == 24 else f"-len{length}"  # 24, the library's default, kept the earlier files' names
+    path = OUT / f"distill_content_samples-seed{seed}-parts{per_part}{tail}.pkl"
     return path, (None if fresh or not path.exists() else pickle.loads(path.read_bytes()))
 
 
@@ -58,6 +62,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-2)
     parser.add_argument("--evaluate-at", default="", help="comma-separated steps at which held-out KL is measured too")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=24, help="length of the teacher's training continuations (default 24)"
+    )
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--arm", action="append", help=f"one arm, repeatable (default the first 3): {list(ARMS)}")
     parser.add_argument("--fresh", action="store_true", help="draw the teacher's samples again")
@@ -75,13 +82,14 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     for name in names:
         per_part, weight, n, in_turn = ARMS[name]
-        kept, samples = _samples(args.seed, per_part, args.fresh)
+        kept, samples = _samples(args.seed, per_part, args.max_new_tokens, args.fresh)
         args.fresh = False  # drawn once per run
         began = time.perf_counter()
         model = distill_prompt(
             AutoModelForCausalLM.from_pretrained(path), tokenizer, system_prompt,
             num_virtual_tokens=n, steps=args.steps, seed=args.seed, turns_per_part=per_part, answer_weight=weight,
             in_system_turn=in_turn, samples=samples, lr=args.lr, evaluate_at=evaluate_at,
+            max_new_tokens=args.max_new_tokens,
             progress=lambda line: print("  " + line, flush=True),
         )  # fmt: skip
         report = model.distill_report
@@ -92,6 +100,7 @@ def main() -> None:
             gap_closed=report.gap_closed, kl=report.student.kl, kl_none=report.none.kl, probes=c.probes,
             teacher=c.teacher, student=c.student, none=c.none, kept=c.kept, seconds=time.perf_counter() - began,
             replies=c.replies, seed=args.seed, steps=args.steps, lr=args.lr, samples_reused=samples is not None,
+            max_new_tokens=args.max_new_tokens,
             curve={p.step: round(gap_closed(p.held_out, report.none), 4) for p in report.curve},
         )  # fmt: skip
         figures = {k: v for k, v in results[name].items() if k != "replies"}
