@@ -40,6 +40,7 @@ ARMS = {
     "+ 3 turns per part, answer weight 0.5": (3, 0.5, 16, False),
     "+ 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, False),
     "+ 3 turns per part, answer weight 0.5, N=64": (3, 0.5, 64, False),
+    "+ 3 turns per part, answer weight 1.0, N=64": (3, 1.0, 64, False),
     "+ in the system turn": (3, 0.5, 16, True),
     "+ in the system turn, N=32": (3, 0.5, 32, True),
     "+ in the system turn, N=64": (3, 0.5, 64, True),
