@@ -28,32 +28,65 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus import distill_prompt
 from peft_softprompt_plus.apps.fetch import fetch_checkpoint
+from peft_softprompt_plus.distill.content import REPLY_TOKENS, parts, read_probes, score
+from peft_softprompt_plus.distill.data import pad_id, prepare
+from peft_softprompt_plus.distill.run import quoted_rows
 from peft_softprompt_plus.distill.score import gap_closed
+from peft_softprompt_plus.distill.teacher import generate_rows
+from peft_softprompt_plus.forward.routing import BASE
 
 DATA = Path(__file__).resolve().parent / "distill_content"
 OUT = Path(__file__).resolve().parent / "out"
-# name -> (turns_per_part, answer_weight, num_virtual_tokens, in_system_turn); arms with the same turns_per_part
-# share the teacher's samples
+# name -> (turns_per_part, answer_weight, num_virtual_tokens, in_system_turn, greedy_part_replies); arms with the
+# same turns_per_part and greedy_part_replies share the teacher's samples
 ARMS = {
-    "generic turns (0.3 defaults)": (0, 0.0, 16, False),
-    "+ 3 turns per part": (3, 0.0, 16, False),
-    "+ 3 turns per part, answer weight 0.5": (3, 0.5, 16, False),
-    "+ 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, False),
-    "+ 3 turns per part, answer weight 0.5, N=64": (3, 0.5, 64, False),
-    "+ 3 turns per part, answer weight 1.0, N=64": (3, 1.0, 64, False),
-    "+ in the system turn": (3, 0.5, 16, True),
-    "+ in the system turn, N=32": (3, 0.5, 32, True),
-    "+ in the system turn, N=64": (3, 0.5, 64, True),
+    "generic turns (0.3 defaults)": (0, 0.0, 16, False, False),
+    "+ 3 turns per part": (3, 0.0, 16, False, False),
+    "+ 3 turns per part, answer weight 0.5": (3, 0.5, 16, False, False),
+    "+ 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, False, False),
+    "+ 3 turns per part, answer weight 0.5, N=64": (3, 0.5, 64, False, False),
+    "+ 3 turns per part, answer weight 1.0, N=64": (3, 1.0, 64, False, False),
+    "+ in the system turn": (3, 0.5, 16, True, False),
+    "+ in the system turn, N=32": (3, 0.5, 32, True, False),
+    "+ in the system turn, N=64": (3, 0.5, 64, True, False),
+    "+ greedy part replies, answer weight 0.5, N=64": (3, 0.5, 64, False, True),
+    "+ greedy part replies, N=64": (3, 0.0, 64, False, True),
+    "+ greedy and quoted part replies, answer weight 0.5, N=64": (3, 0.5, 64, False, True, 3),
 }
 DEFAULT_ARMS = list(ARMS)[:3]
 
 
-def _samples(seed: int, per_part: int, length: int, fresh: bool):
-    """The teacher's samples kept from an earlier process for this seed, turns per part and continuation length, or
-    None."""
-    tail = "" if length == 24 else f"-len{length}"  # 24, the library's default, kept the earlier files' names
+def _samples(seed: int, per_part: int, length: int, greedy: bool, quotes: int, fresh: bool):
+    """The teacher's samples kept from an earlier process for this seed, turns per part, continuation length, greedy
+    part replies and quoting questions, or None."""
+    tail = (
+        ("" if length == 24 else f"-len{length}")
+        + ("-greedy" if greedy else "")
+        + (f"-quote{quotes}" if quotes else "")
+    )  # the earlier files' names kept
     path = OUT / f"distill_content_samples-seed{seed}-parts{per_part}{tail}.pkl"
     return path, (None if fresh or not path.exists() else pickle.loads(path.read_bytes()))
+
+
+@torch.no_grad()
+def _user_probes(model, tokenizer, system_prompt: str, teacher_replies: dict):
+    """The content score on bench/distill_content/user_probes.jsonl: questions a user would ask, written by hand with
+    the facts a reply must state, in no form the training turns use. The teacher is the base reading the hard system
+    prompt's ids (the teacher adapter is gone from the returned model); its replies are drawn once per process."""
+    probes = read_probes((DATA / "user_probes.jsonl").read_text().splitlines())
+    prepared = prepare(tokenizer, system_prompt, True, 1)
+    rows = [prepared.suffix_ids(tokenizer, p.question) for p in probes]
+
+    def read(rows, adapter):
+        new = generate_rows(
+            model, rows, adapter, pad_id(tokenizer), prepared.stop_ids, do_sample=False, max_new_tokens=REPLY_TOKENS
+        )
+        return [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in new]
+
+    if not teacher_replies:
+        teacher_replies["teacher"] = read([prepared.prefix_ids + row for row in rows], BASE)
+        teacher_replies["none"] = read(rows, BASE)
+    return score({**teacher_replies, "student": read(rows, "default")}, probes, system_prompt)
 
 
 def main() -> None:
@@ -79,40 +112,53 @@ def main() -> None:
     path = fetch_checkpoint("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(path)
     system_prompt = (DATA / "system_prompt.txt").read_text().strip()
-    results = {}
+    results, teacher_replies = {}, {}
     OUT.mkdir(exist_ok=True)
     for name in names:
-        per_part, weight, n, in_turn = ARMS[name]
-        kept, samples = _samples(args.seed, per_part, args.max_new_tokens, args.fresh)
+        per_part, weight, n, in_turn, greedy, quotes = (ARMS[name] + (0,))[:6]
+        kept, samples = _samples(args.seed, per_part, args.max_new_tokens, greedy, quotes, args.fresh)
+        if quotes and samples is None and not args.fresh:
+            # Quoted rows draw nothing from the RNG: the samples without them, plus them, are what a fresh draw gives.
+            samples = _samples(args.seed, per_part, args.max_new_tokens, greedy, 0, False)[1]
+            if samples is not None:
+                prepared = prepare(tokenizer, system_prompt, True, n)
+                samples.train += quoted_rows(tokenizer, prepared, parts(system_prompt), quotes)
         args.fresh = False  # drawn once per run
         began = time.perf_counter()
         model = distill_prompt(
             AutoModelForCausalLM.from_pretrained(path), tokenizer, system_prompt,
             num_virtual_tokens=n, steps=args.steps, seed=args.seed, turns_per_part=per_part, answer_weight=weight,
             in_system_turn=in_turn, samples=samples, lr=args.lr, evaluate_at=evaluate_at,
-            max_new_tokens=args.max_new_tokens,
+            max_new_tokens=args.max_new_tokens, greedy_part_replies=greedy, quote_parts=quotes,
             progress=lambda line: print("  " + line, flush=True),
         )  # fmt: skip
         report = model.distill_report
         if samples is None:
             kept.write_bytes(pickle.dumps(report.samples))
         c = report.content
+        u = _user_probes(model, tokenizer, system_prompt, teacher_replies)
         results[name] = dict(
             gap_closed=report.gap_closed, kl=report.student.kl, kl_none=report.none.kl, probes=c.probes,
             teacher=c.teacher, student=c.student, none=c.none, kept=c.kept, seconds=time.perf_counter() - began,
             replies=c.replies, seed=args.seed, steps=args.steps, lr=args.lr, samples_reused=samples is not None,
             max_new_tokens=args.max_new_tokens,
+            user_probes=dict(probes=u.probes, teacher=u.teacher, student=u.student, none=u.none, kept=u.kept),
+            user_replies=u.replies,
             curve={p.step: round(gap_closed(p.held_out, report.none), 4) for p in report.curve},
         )  # fmt: skip
         figures = {k: v for k, v in results[name].items() if k != "replies"}
         with open(OUT / "distill_content.jsonl", "a") as log:
             log.write(json.dumps({"arm": name, **figures}) + "\n")
         print(f"{name}: {json.dumps(figures)}", flush=True)
-    print("\n| arm | KL gap closed | content: teacher / student / none | kept | probes |\n|---|---|---|---|---|")
+    print(
+        "\n| arm | KL gap closed | content: teacher / student / none | kept | user probes: teacher / student / none "
+        "| kept |\n|---|---|---|---|---|---|"
+    )
     for name, r in results.items():
+        u = r["user_probes"]
         print(
             f"| {name} | {r['gap_closed']:.1%} | {r['teacher']:.2f} / {r['student']:.2f} / {r['none']:.2f} | "
-            f"{r['kept']:.0%} | {r['probes']} |"
+            f"{r['kept']:.0%} | {u['teacher']:.2f} / {u['student']:.2f} / {u['none']:.2f} | {u['kept']:.0%} |"
         )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -3,6 +3,7 @@ the fact words, the parts and their probes, the score against hand-computed shar
 answer-weighted loss, held-out turns without training turns, and the CLI's probe file."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from test_distill import HELD_OUT, SYSTEM, USERS, _distill, base, chat_dir, tok 
 
 from peft_softprompt_plus.apps.cli import main as cli_main
 from peft_softprompt_plus.distill import content
+from peft_softprompt_plus.distill import data as distill_data
 from peft_softprompt_plus.distill import score as distill_score
 from peft_softprompt_plus.distill.score import scored_batch, token_kl
 from peft_softprompt_plus.distill.teacher import TEACHER
@@ -74,7 +76,47 @@ def test_turns_per_part_train_on_every_part_and_the_probes_stay_held_out(tok, ba
     assert report.content is not None and report.content.probes >= 1
     assert set(report.samples.probe_replies) == {"teacher", "none"}
     assert any(line.startswith("content (") for line in report.lines())
+    assert report.samples.drafted_probes and "built from the prompt's own words" in "\n".join(report.lines())
     assert report.metrics()["content_probes"] == report.content.probes
+
+
+def test_greedy_part_replies_add_the_teacher_s_greedy_reply_to_each_part_question(tok, base):  # noqa: F811
+    model = _distill(
+        base, tok, user_turns=USERS, held_out_turns=HELD_OUT, steps=1, turns_per_part=1, greedy_part_replies=True
+    )
+    samples = model.distill_report.samples
+    asked = [part.questions(1)[0] for part in content.parts(SYSTEM)]
+    assert model.distill_report.greedy_part_replies and set(asked) <= set(samples.train_turns)
+    sampled, greedy_rows = samples.train[: 4 * len(samples.train_turns)], samples.train[4 * len(samples.train_turns) :]
+    assert len(greedy_rows) == len(asked)
+    prepared = distill_data.prepare(tok, SYSTEM, True, 4)
+    for question, row in zip(asked, greedy_rows, strict=True):
+        suffix = prepared.suffix_ids(tok, question)
+        assert row.ids[: len(suffix)] == suffix and row.first == len(suffix) - 1
+        # Reference: a manual greedy loop of the base reading the hard system prompt's ids.
+        ids = prepared.prefix_ids + suffix
+        with torch.no_grad():
+            for _ in range(6):  # _distill's max_new_tokens
+                nxt = int(model(input_ids=torch.tensor([ids]), adapter_names=["__base__"]).logits[0, -1].argmax())
+                ids.append(nxt)
+                if nxt in prepared.stop_ids:
+                    break
+        assert row.ids[len(suffix) :] == ids[len(prepared.prefix_ids) + len(suffix) :]
+    for turn, row in zip(samples.train_turns, sampled[::4], strict=True):  # the sampled rows come first, as before
+        assert row.ids[: row.first + 1] == prepared.suffix_ids(tok, turn)
+
+
+def test_quote_parts_train_on_each_part_s_own_text_after_a_question_asking_for_it(tok, base):  # noqa: F811
+    model = _distill(base, tok, user_turns=USERS, held_out_turns=HELD_OUT, steps=1, quote_parts=2)
+    samples = model.distill_report.samples
+    parts = content.parts(SYSTEM)
+    quoted = samples.train[4 * len(samples.train_turns) :]
+    assert len(quoted) == 2 * len(parts) and model.distill_report.quote_parts == 2
+    prepared = distill_data.prepare(tok, SYSTEM, True, 4)
+    for row, (part, question) in zip(quoted, [(p, q) for p in parts for q in p.quotes(2)], strict=True):
+        suffix = prepared.suffix_ids(tok, question)
+        assert row.ids[: row.first + 1] == suffix and tok.decode(row.ids[len(suffix) :]).strip() == part.text
+    assert not {q for p in parts for q in p.quotes(2)} & set(samples.train_turns)  # rows, not sampled turns
 
 
 def test_the_answer_weight_counts_the_tokens_the_system_prompt_decides(tok, base):  # noqa: F811
@@ -106,10 +148,13 @@ def test_held_out_turns_without_training_turns_let_the_teacher_write_them(tok, b
     "options, message",
     [({"turns_per_part": -1}, "`turns_per_part` must be an int >= 0, got -1"),
      ({"answer_weight": 2.0}, "`answer_weight` must be a number in [0, 1], got 2.0"),
-     ({"probes": "what?"}, "`probes` must be a list of str or Probe")],
+     ({"probes": "what?"}, "`probes` must be a list of str or Probe"),
+     ({"greedy_part_replies": 1}, "`greedy_part_replies` must be True or False, got 1"),
+     ({"greedy_part_replies": True}, "pass `turns_per_part` >= 1 too, got 0"),
+     ({"quote_parts": 4}, "`quote_parts` must be an int in [0, 3] (quoting questions per part), got 4")],
 )  # fmt: skip
 def test_bad_content_options_are_named(tok, base, options, message):  # noqa: F811
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("?", r"\?")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         _distill(base, tok, user_turns=USERS, **options)
 
 
@@ -121,8 +166,16 @@ def test_cli_takes_a_probe_file_and_held_out_turns_alone(chat_dir, tmp_path, cap
     argv = ["distill", "--model", chat_dir, "--system-prompt-file", str(tmp_path / "system.txt"), "--out", str(out)]
     argv += ["--num-virtual-tokens", "3", "--steps", "2", "--batch-size", "4", "--turns-per-part", "1"]
     argv += ["--held-out-file", str(tmp_path / "held.txt"), "--probe-file", str(tmp_path / "probes.txt")]
-    assert cli_main(argv) == 0
-    assert "content (1 probe questions never trained on" in capsys.readouterr().out
+    assert cli_main(argv + ["--greedy-part-replies", "--quote-parts", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "content (1 probe questions never trained on" in printed
+    assert "the teacher's greedy reply to each question about a part" in printed
+    assert "(and 1 quoting each part's own text)" in printed
+    assert "built from the prompt's own words" not in printed  # the user's own probes
+    assert cli_main(argv[:-6] + ["--greedy-part-replies"]) == 2  # without --turns-per-part
+    assert "`--greedy-part-replies` trains on the replies" in capsys.readouterr().err
+    assert cli_main(argv + ["--quote-parts", "5"]) == 2
+    assert "`--quote-parts` must be 0 to 3 (quoting questions per part), got 5" in capsys.readouterr().err
     (tmp_path / "probes.txt").write_text('{"question": ""}\n')
     assert cli_main(argv) == 2
     assert "`--probe-file`=" in capsys.readouterr().err

@@ -52,6 +52,18 @@ def add_parser(sub) -> None:
         help="Weight tokens by how much the system prompt changes them, 0 (plain KL) to 1 (default 0).",
     )
     distill.add_argument(
+        "--greedy-part-replies",
+        action="store_true",
+        help="Also train on the teacher's greedy reply to each question about a part (needs --turns-per-part).",
+    )
+    distill.add_argument(
+        "--quote-parts",
+        type=int,
+        default=0,
+        help="Training rows per part whose reply is the part's own text, after a question asking to quote it, "
+        "0 to 3 (default 0).",
+    )
+    distill.add_argument(
         "--in-system-turn",
         action="store_true",
         help="Place the soft tokens inside the template's system turn (its header before them, its end after).",
@@ -109,6 +121,13 @@ def _distill(args) -> int:
     probes = _probes(args.probe_file)
     if args.turns_per_part < 0:
         raise ValueError(f"`--turns-per-part` must be >= 0, got {args.turns_per_part}.")
+    if args.greedy_part_replies and args.turns_per_part < 1:
+        raise ValueError(
+            f"`--greedy-part-replies` trains on the replies to the questions about each part; pass --turns-per-part "
+            f">= 1 too, got {args.turns_per_part}."
+        )
+    if not 0 <= args.quote_parts <= 3:
+        raise ValueError(f"`--quote-parts` must be 0 to 3 (quoting questions per part), got {args.quote_parts}.")
     if not 0 <= args.answer_weight <= 1:
         raise ValueError(f"`--answer-weight` must be in [0, 1], got {args.answer_weight}.")
     for name in ("num_virtual_tokens", "steps", "batch_size"):

@@ -146,6 +146,13 @@ TRAIN_FORMS = (
     "Please explain {phrase}.",
 )
 PROBE_FORM = "What do you know about {phrase}?"
+# Questions whose reply is the part's own text (`quote_parts`): the teacher reads it off the hard prompt, so the
+# student can match those positions only by holding the part's facts in its soft tokens.
+QUOTE_FORMS = (
+    "Quote what your instructions say about {phrase}.",
+    "What exactly do your instructions say about {phrase}?",
+    "Repeat your instructions about {phrase} word for word.",
+)
 PHRASE_WORDS = 5
 
 
@@ -160,6 +167,9 @@ class Part:
 
     def questions(self, count: int) -> list[str]:
         return [form.format(phrase=self.phrase) for form in TRAIN_FORMS[:count]]
+
+    def quotes(self, count: int) -> list[str]:
+        return [form.format(phrase=self.phrase) for form in QUOTE_FORMS[:count]]
 
     def probe(self) -> Probe:
         return Probe(PROBE_FORM.format(phrase=self.phrase), self.facts)

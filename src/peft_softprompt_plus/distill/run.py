@@ -23,8 +23,10 @@ from .score import CurvePoint, DistillReport, Figures
 from .teacher import (
     TEACHER,
     DistillSamples,
+    Sample,
     attach_teacher,
     greedy,
+    greedy_continuations,
     sample_continuations,
     sample_turns,
     split_turns,
@@ -37,7 +39,16 @@ STUDENT = "default"  # PEFT saves the adapter named "default" at the folder's to
 
 def _problems(model, user_turns, held_out_turns, counts: dict, lr, fraction, init, evaluate_at, how) -> list[str]:
     found = []
-    turns_per_part, answer_weight, probes = how
+    turns_per_part, answer_weight, probes, greedy_part_replies, quote_parts = how
+    if isinstance(quote_parts, bool) or not isinstance(quote_parts, int) or not 0 <= quote_parts <= 3:
+        found.append(f"`quote_parts` must be an int in [0, 3] (quoting questions per part), got {quote_parts!r}.")
+    if not isinstance(greedy_part_replies, bool):
+        found.append(f"`greedy_part_replies` must be True or False, got {greedy_part_replies!r}.")
+    elif greedy_part_replies and not turns_per_part:
+        found.append(
+            "`greedy_part_replies=True` trains on the greedy replies to the questions about each part; pass "
+            f"`turns_per_part` >= 1 too, got {turns_per_part!r}."
+        )
     if isinstance(turns_per_part, bool) or not isinstance(turns_per_part, int) or turns_per_part < 0:
         found.append(f"`turns_per_part` must be an int >= 0, got {turns_per_part!r}.")
     if isinstance(answer_weight, bool) or not isinstance(answer_weight, (int, float)) or not 0 <= answer_weight <= 1:
@@ -150,6 +161,8 @@ def distill_prompt(
     evaluate_at: Sequence[int] = (),
     turns_per_part: int = 0,
     answer_weight: float = 0.0,
+    greedy_part_replies: bool = False,
+    quote_parts: int = 0,
     probes: Optional[Sequence[Union[str, distill_content.Probe]]] = None,
     in_system_turn: bool = False,
     samples: Optional[DistillSamples] = None,
@@ -163,7 +176,7 @@ def distill_prompt(
     counts = dict(num_virtual_tokens=num_virtual_tokens, steps=steps, batch_size=batch_size)
     counts.update(samples_per_turn=samples_per_turn, held_out_samples_per_turn=held_out_samples_per_turn)
     counts.update(max_new_tokens=max_new_tokens, sampled_turns=sampled_turns)
-    how = (turns_per_part, answer_weight, probes)
+    how = (turns_per_part, answer_weight, probes, greedy_part_replies, quote_parts)
     if not isinstance(in_system_turn, bool):
         raise ValueError(f"distill_prompt: `in_system_turn` must be True or False, got {in_system_turn!r}.")
     problems = _problems(
@@ -200,7 +213,7 @@ def distill_prompt(
         torch.manual_seed(seed)
         if samples is None:
             began, began_cpu = time.perf_counter(), time.process_time()
-            draw = (turns, held_out_turns, probes, turns_per_part)
+            draw = (turns, held_out_turns, probes, turns_per_part, greedy_part_replies, quote_parts)
             samples = _draw(model, tokenizer, prepared, draw, held_out_fraction, seed, counts, log)
             samples.seconds = (time.perf_counter() - began, time.process_time() - began_cpu)
     gap = teacher_gap(model, prepared.prefix_ids, samples.train[0].ids)
@@ -217,7 +230,8 @@ def distill_prompt(
     init = f"{config.prompt_init}" + (" (the system prompt's first tokens)" if config.prompt_init == "text" else "")
     report = DistillReport(
         prepared.mode, len(prepared.prefix_ids), num_virtual_tokens, steps, batch_size, lr, seed, init, gap,
-        student, none, wall, cpu, samples, curve, content, turns_per_part, answer_weight,
+        student, none, wall, cpu, samples, curve, content, turns_per_part, answer_weight, greedy_part_replies,
+        quote_parts,
     )  # fmt: skip
     model.delete_adapter(TEACHER)
     model.softprompt_plus_metrics = report.metrics()
@@ -246,8 +260,9 @@ def _content(model, tokenizer, prepared, samples: DistillSamples, pad: int, batc
 def _draw(model, tokenizer, prepared, draw: tuple, fraction, seed, counts, log) -> DistillSamples:
     """The teacher's samples: user turns (given, or written by the teacher; with `turns_per_part`, that many questions
     about each part of the system prompt too), continuations, greedy references, and the content probes (given, or
-    one question per part in a form no training turn uses)."""
-    turns, held_out_turns, probes, turns_per_part = draw
+    one question per part in a form no training turn uses); with `greedy_part_replies`, each question about a part
+    also trains on the teacher's greedy reply."""
+    turns, held_out_turns, probes, turns_per_part, greedy_part_replies, quote_parts = draw
     pad, stops, batch = _pad_id(model), prepared.stop_ids, counts["batch_size"]
     written = turns is None
     if written:
@@ -255,7 +270,8 @@ def _draw(model, tokenizer, prepared, draw: tuple, fraction, seed, counts, log) 
         turns = sample_turns(model, tokenizer, prepared, counts["sampled_turns"], batch, pad)
     parts = distill_content.parts(prepared.system_prompt)
     drafted = [[q for q in part.questions(turns_per_part) if _fits(prepared, tokenizer, q)] for part in parts]
-    if probes is None:  # one question per part, in a form no training turn uses
+    drafted_probes = probes is None
+    if drafted_probes:  # one question per part, in a form no training turn uses
         probes = [part.probe() for part in parts if _fits(prepared, tokenizer, part.probe().question)]
     # The user's held-out turns stay held out even when the teacher writes the training turns.
     train, held_out = split_turns(turns, held_out_turns, fraction, seed)
@@ -277,12 +293,30 @@ def _draw(model, tokenizer, prepared, draw: tuple, fraction, seed, counts, log) 
         f"{counts['held_out_samples_per_turn']} for each of {len(held)} held-out turns"
     )
     out = DistillSamples(prepared.mode, prepared.prefix_ids, train, held_out, sampled_turns=written, probes=probes)
+    out.drafted_probes = drafted_probes
     length = counts["max_new_tokens"]
     out.train = sample_continuations(model, suffixes, counts["samples_per_turn"], length, pad, stops, batch)
+    if greedy_part_replies:
+        asked = {q for questions in drafted for q in questions}
+        on_parts = [suffix for turn, suffix in zip(train, suffixes, strict=True) if turn in asked]
+        out.train += greedy_continuations(model, on_parts, length, pad, stops, batch)
+    out.train += quoted_rows(tokenizer, prepared, parts, quote_parts)
     out.held_out = sample_continuations(model, held, counts["held_out_samples_per_turn"], length, pad, stops, batch)
     out.held_out_prompts = held
     out.teacher_greedy = greedy(model, held, TEACHER, pad, stops, batch)
     return out
+
+
+def quoted_rows(tokenizer, prepared, parts, count: int) -> list[Sample]:
+    """Rows whose reply is a part's own text, after `count` questions asking to quote it (`quote_parts`)."""
+    rows = []
+    for part in parts:
+        reply = tokenizer(" ".join(part.text.split()), add_special_tokens=False)["input_ids"]
+        for question in part.quotes(count):
+            if _fits(prepared, tokenizer, question):
+                suffix = prepared.suffix_ids(tokenizer, question)
+                rows.append(Sample(suffix + reply, len(suffix) - 1))
+    return rows
 
 
 def _fits(prepared, tokenizer, turn: str) -> bool:

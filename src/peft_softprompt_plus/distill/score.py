@@ -137,6 +137,8 @@ class DistillReport:
     content: Optional[ContentScore] = None  # facts stated in greedy replies to the probes (None: no probes)
     turns_per_part: int = 0
     answer_weight: float = 0.0
+    greedy_part_replies: bool = False
+    quote_parts: int = 0
 
     @property
     def gap_closed(self) -> float:
@@ -148,7 +150,10 @@ class DistillReport:
             f"distilled a {self.prefix_tokens}-token system prompt ({self.mode} mode) into {self.num_virtual_tokens} "
             f"soft tokens: {self.steps} steps, batch {self.batch_size}, lr {self.lr:g}, seed {self.seed}, init "
             f"{self.init}, {len(rows.train)} training rows from {len(rows.train_turns)} user turns"
-            f"{' the teacher wrote' if rows.sampled_turns else ''}; {self.train_seconds:.0f} s of training"
+            f"{' the teacher wrote' if rows.sampled_turns else ''}"
+            + (" (and the teacher's greedy reply to each question about a part)" if self.greedy_part_replies else "")
+            + (f" (and {self.quote_parts} quoting each part's own text)" if self.quote_parts else "")
+            + f"; {self.train_seconds:.0f} s of training"
             + (f", {rows.seconds[0]:.0f} s drawing the teacher's samples" if rows.seconds else ""),
             f"teacher check: the frozen hard-prompt adapter equals the base fed the hard tokens within "
             f"{self.teacher_gap:.1e} (relative)",
@@ -169,7 +174,15 @@ class DistillReport:
             f"content ({c.probes} probe questions never trained on, greedy replies of up to {REPLY_TOKENS} tokens): "
             f"share of each probe's facts stated: teacher {c.teacher:.2f}, student {c.student:.2f}, no system "
             f"prompt {c.none:.2f}; the student keeps {c.kept:.0%} of the teacher's gain"
-        ]
+        ] + (
+            [
+                "  (these probes are built from the prompt's own words, as the questions about each part are: "
+                "they can overstate what reaches a user's own questions; pass probes with facts (CLI: --probe-file) "
+                "to measure that)"
+            ]
+            if self.samples.drafted_probes
+            else []
+        )
 
     def metrics(self) -> dict:
         """The figures for the adapter's model card (`softprompt_plus_metrics`)."""
