@@ -37,8 +37,8 @@ from peft_softprompt_plus.forward.routing import BASE
 
 DATA = Path(__file__).resolve().parent / "distill_content"
 OUT = Path(__file__).resolve().parent / "out"
-# name -> (turns_per_part, answer_weight, num_virtual_tokens, in_system_turn, greedy_part_replies); arms with the
-# same turns_per_part and greedy_part_replies share the teacher's samples
+# name -> (turns_per_part, answer_weight, num_virtual_tokens, in_system_turn, greedy_part_replies[, quote_parts[,
+# facts kept as hard text]]); arms with the same turns_per_part and greedy_part_replies share the teacher's samples
 ARMS = {
     "generic turns (0.3 defaults)": (0, 0.0, 16, False, False),
     "+ 3 turns per part": (3, 0.0, 16, False, False),
@@ -52,7 +52,10 @@ ARMS = {
     "+ greedy part replies, answer weight 0.5, N=64": (3, 0.5, 64, False, True),
     "+ greedy part replies, N=64": (3, 0.0, 64, False, True),
     "+ greedy and quoted part replies, answer weight 0.5, N=64": (3, 0.5, 64, False, True, 3),
+    "+ 3 turns per part, answer weight 0.5, N=16, facts kept as hard text": (3, 0.5, 16, False, False, 0, True),
 }
+# The passage a "facts kept as hard text" arm keeps (`keep_text`): the prompt's two paragraphs of facts.
+KEPT_PARAGRAPHS = slice(1, 3)
 DEFAULT_ARMS = list(ARMS)[:3]
 
 
@@ -115,7 +118,10 @@ def main() -> None:
     results, teacher_replies = {}, {}
     OUT.mkdir(exist_ok=True)
     for name in names:
-        per_part, weight, n, in_turn, greedy, quotes = (ARMS[name] + (0,))[:6]
+        per_part, weight, n, in_turn, greedy, quotes, keep = (
+            ARMS[name] + (False, False, 0, False)[len(ARMS[name]) - 3 :]
+        )
+        keep_text = "\n\n".join(system_prompt.split("\n\n")[KEPT_PARAGRAPHS]) if keep else None
         kept, samples = _samples(args.seed, per_part, args.max_new_tokens, greedy, quotes, args.fresh)
         if quotes and samples is None and not args.fresh:
             # Quoted rows draw nothing from the RNG: the samples without them, plus them, are what a fresh draw gives.
@@ -129,7 +135,7 @@ def main() -> None:
             AutoModelForCausalLM.from_pretrained(path), tokenizer, system_prompt,
             num_virtual_tokens=n, steps=args.steps, seed=args.seed, turns_per_part=per_part, answer_weight=weight,
             in_system_turn=in_turn, samples=samples, lr=args.lr, evaluate_at=evaluate_at,
-            max_new_tokens=args.max_new_tokens, greedy_part_replies=greedy, quote_parts=quotes,
+            max_new_tokens=args.max_new_tokens, greedy_part_replies=greedy, quote_parts=quotes, keep_text=keep_text,
             progress=lambda line: print("  " + line, flush=True),
         )  # fmt: skip
         report = model.distill_report

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 from test_distill import HELD_OUT, SYSTEM, USERS, _distill, base, chat_dir, tok  # noqa: F401  (fixtures)
+from transformers import AutoTokenizer
 
 from peft_softprompt_plus.apps.cli import main as cli_main
 from peft_softprompt_plus.distill import content
@@ -119,6 +120,22 @@ def test_quote_parts_train_on_each_part_s_own_text_after_a_question_asking_for_i
     assert not {q for p in parts for q in p.quotes(2)} & set(samples.train_turns)  # rows, not sampled turns
 
 
+def test_keep_text_is_read_as_hard_tokens_after_the_soft_ones_and_saved(tok, base, tmp_path):  # noqa: F811
+    kept = "answer with red green blue"
+    model = _distill(base, tok, user_turns=USERS, held_out_turns=HELD_OUT, steps=1, keep_text=kept)
+    config = model.peft_config["default"]
+    assert tok.decode(config.prompt_suffix_ids) == distill_data.FORMATS["chat"].prefix(tok, kept)  # its own turn
+    assert config.prompt_prefix_ids is None and model.distill_report.student.kl < model.distill_report.none.kl
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["prompt_suffix_ids"] == config.prompt_suffix_ids
+    inside = _distill(base, tok, user_turns=USERS, steps=1, keep_text=kept, in_system_turn=True)
+    head, tail = distill_data.system_turn(tok, distill_data.prepare(tok, SYSTEM, True, 4))
+    assert (
+        inside.peft_config["default"].prompt_suffix_ids
+        == tok("\n\n" + kept, add_special_tokens=False)["input_ids"] + tail
+    )
+
+
 def test_the_answer_weight_counts_the_tokens_the_system_prompt_decides(tok, base):  # noqa: F811
     model = _distill(base, tok, user_turns=USERS, steps=1)
     model.add_adapter(TEACHER, model.peft_config["default"])  # a stand-in teacher: the same path, another prompt
@@ -151,7 +168,8 @@ def test_held_out_turns_without_training_turns_let_the_teacher_write_them(tok, b
      ({"probes": "what?"}, "`probes` must be a list of str or Probe"),
      ({"greedy_part_replies": 1}, "`greedy_part_replies` must be True or False, got 1"),
      ({"greedy_part_replies": True}, "pass `turns_per_part` >= 1 too, got 0"),
-     ({"quote_parts": 4}, "`quote_parts` must be an int in [0, 3] (quoting questions per part), got 4")],
+     ({"quote_parts": 4}, "`quote_parts` must be an int in [0, 3] (quoting questions per part), got 4"),
+     ({"keep_text": "purple"}, "`keep_text` must be a non-empty passage of `system_prompt` (spacing aside)")],
 )  # fmt: skip
 def test_bad_content_options_are_named(tok, base, options, message):  # noqa: F811
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -174,6 +192,14 @@ def test_cli_takes_a_probe_file_and_held_out_turns_alone(chat_dir, tmp_path, cap
     assert "built from the prompt's own words" not in printed  # the user's own probes
     assert cli_main(argv[:-6] + ["--greedy-part-replies"]) == 2  # without --turns-per-part
     assert "`--greedy-part-replies` trains on the replies" in capsys.readouterr().err
+    (tmp_path / "keep.txt").write_text("purple\n")
+    assert cli_main(argv + ["--keep-file", str(tmp_path / "keep.txt")]) == 2
+    assert "`--keep-file`=" in capsys.readouterr().err
+    (tmp_path / "keep.txt").write_text(SYSTEM.split(".")[1] + "\n")
+    assert cli_main(argv + ["--keep-file", str(tmp_path / "keep.txt")]) == 0
+    suffix = json.loads((out / "adapter_config.json").read_text())["prompt_suffix_ids"]
+    assert SYSTEM.split(".")[1].strip() in AutoTokenizer.from_pretrained(chat_dir).decode(suffix)
+    capsys.readouterr()
     assert cli_main(argv + ["--quote-parts", "5"]) == 2
     assert "`--quote-parts` must be 0 to 3 (quoting questions per part), got 5" in capsys.readouterr().err
     (tmp_path / "probes.txt").write_text('{"question": ""}\n')

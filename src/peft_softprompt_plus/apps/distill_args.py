@@ -64,6 +64,12 @@ def add_parser(sub) -> None:
         "0 to 3 (default 0).",
     )
     distill.add_argument(
+        "--keep-file",
+        default=None,
+        help="A passage of the system prompt (its facts, say) kept as hard text after the soft tokens, which learn "
+        "the rest.",
+    )
+    distill.add_argument(
         "--in-system-turn",
         action="store_true",
         help="Place the soft tokens inside the template's system turn (its header before them, its end after).",
@@ -119,6 +125,14 @@ def _distill(args) -> int:
         )
     users, held_out = _turns("--user-file", args.user_file), _turns("--held-out-file", args.held_out_file)
     probes = _probes(args.probe_file)
+    args.keep_text = _text_file("--keep-file", args.keep_file).strip() if args.keep_file else None
+    if args.keep_file and (
+        not args.keep_text or " ".join(args.keep_text.split()) not in " ".join(system_prompt.split())
+    ):
+        raise ValueError(
+            f"`--keep-file`={args.keep_file!r} must hold a non-empty passage of the system prompt (spacing aside). "
+            "Copy the sentences to keep as hard text from --system-prompt-file."
+        )
     if args.turns_per_part < 0:
         raise ValueError(f"`--turns-per-part` must be >= 0, got {args.turns_per_part}.")
     if args.greedy_part_replies and args.turns_per_part < 1:

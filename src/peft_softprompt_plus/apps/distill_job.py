@@ -25,6 +25,7 @@ def main(args, system_prompt: str, user_turns, held_out_turns, probes=None) -> i
         answer_weight=args.answer_weight,
         greedy_part_replies=args.greedy_part_replies,
         quote_parts=args.quote_parts,
+        keep_text=args.keep_text,
         in_system_turn=args.in_system_turn,
         chat=not args.plain,
         batch_size=args.batch_size,

@@ -165,6 +165,7 @@ def distill_prompt(
     quote_parts: int = 0,
     probes: Optional[Sequence[Union[str, distill_content.Probe]]] = None,
     in_system_turn: bool = False,
+    keep_text: Optional[str] = None,
     samples: Optional[DistillSamples] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> PeftModel:
@@ -205,6 +206,9 @@ def distill_prompt(
     if in_system_turn:  # the template's system header before the soft tokens, its end of turn after them
         head, tail = distill_data.system_turn(tokenizer, prepared)
         config.prompt_prefix_ids, config.prompt_suffix_ids = head or None, tail or None
+    if keep_text is not None:  # frozen hard tokens after the soft ones, saved with the adapter
+        kept = _kept_ids(tokenizer, prepared, keep_text, in_system_turn)
+        config.prompt_suffix_ids = kept + (config.prompt_suffix_ids or [])
     model = get_peft_model(model, config)
     attach_teacher(model, prepared.prefix_ids)
     model.eval()  # no dropout: the student matches the teacher's own deterministic distribution
@@ -317,6 +321,23 @@ def quoted_rows(tokenizer, prepared, parts, count: int) -> list[Sample]:
                 suffix = prepared.suffix_ids(tokenizer, question)
                 rows.append(Sample(suffix + reply, len(suffix) - 1))
     return rows
+
+
+def _kept_ids(tokenizer, prepared, keep_text, in_system_turn: bool) -> list[int]:
+    """`keep_text`'s ids as the student reads them after its soft tokens: a system turn of its own (plain mode: the
+    text and the separator), or, inside the system turn, a paragraph before the turn's end."""
+    flat = " ".join(keep_text.split()) if isinstance(keep_text, str) else ""
+    if not flat or flat not in " ".join(prepared.system_prompt.split()):
+        raise ValueError(
+            f"distill_prompt: `keep_text` must be a non-empty passage of `system_prompt` (spacing aside), got "
+            f"{keep_text!r:.80}. Copy the sentences to keep as hard text (its facts, say) from the system prompt."
+        )
+    text = (
+        "\n\n" + keep_text.strip()
+        if in_system_turn
+        else distill_data.FORMATS[prepared.mode].prefix(tokenizer, keep_text.strip())
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _fits(prepared, tokenizer, turn: str) -> bool:
