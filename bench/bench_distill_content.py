@@ -30,9 +30,8 @@ from peft_softprompt_plus import distill_prompt
 from peft_softprompt_plus.apps.fetch import fetch_checkpoint
 from peft_softprompt_plus.distill.content import REPLY_TOKENS, parts, read_probes, score
 from peft_softprompt_plus.distill.data import pad_id, prepare
-from peft_softprompt_plus.distill.run import quoted_rows
 from peft_softprompt_plus.distill.score import gap_closed
-from peft_softprompt_plus.distill.teacher import generate_rows
+from peft_softprompt_plus.distill.teacher import generate_rows, quoted_rows
 from peft_softprompt_plus.forward.routing import BASE
 
 DATA = Path(__file__).resolve().parent / "distill_content"

@@ -4,10 +4,12 @@ student's; and `student_text` / `student_inputs`, which format a student's input
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
 from ..forward.semantics import left_padded, pad_id
+from ..method.config import SoftPromptPlusConfig
 
 __all__ = ["left_padded", "pad_id"]  # the forward's, read here by the teacher, the score and the bench
 
@@ -189,6 +191,50 @@ def opener_ids(tokenizer, prepared: Prepared) -> list[int]:
     """The teacher's text for sampling a user turn: what opens a user turn after the system prompt."""
     opener = FORMATS[prepared.mode].opener(tokenizer, prepared.system_prompt)[0]
     return _ids(tokenizer, opener)
+
+
+def fits(prepared: Prepared, tokenizer, turn: str) -> bool:
+    """Whether `turn` tokenizes the same after the system prompt as on its own (`Prepared.suffix_ids` accepts it)."""
+    try:
+        prepared.suffix_ids(tokenizer, turn)
+    except ValueError:
+        return False
+    return True
+
+
+def kept_ids(tokenizer, prepared, keep_text, in_system_turn: bool) -> list[int]:
+    """`keep_text`'s ids as the student reads them after its soft tokens: a system turn of its own (plain mode: the
+    text and the separator), or, inside the system turn, a paragraph before the turn's end."""
+    flat = " ".join(keep_text.split()) if isinstance(keep_text, str) else ""
+    if not flat or flat not in " ".join(prepared.system_prompt.split()):
+        raise ValueError(
+            f"distill_prompt: `keep_text` must be a non-empty passage of `system_prompt` (spacing aside), got "
+            f"{keep_text!r:.80}. Copy the sentences to keep as hard text (its facts, say) from the system prompt."
+        )
+    text = (
+        "\n\n" + keep_text.strip() if in_system_turn else FORMATS[prepared.mode].prefix(tokenizer, keep_text.strip())
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def init_config(tokenizer, prepared: Prepared, n: int, seed: int, init: str) -> SoftPromptPlusConfig:
+    """`init="text"` starts from the system prompt's own first N tokens where the tokenizer can be reloaded (else from
+    vocabulary rows); only those N tokens' text is kept in the config, not the whole (maybe private) system prompt."""
+    folder = getattr(tokenizer, "name_or_path", "")
+    if init != "text" or not (folder and os.path.isdir(folder)):
+        init = "vocab" if init == "text" else init
+        return SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=n, prompt_init=init, init_seed=seed)
+    ids = tokenizer(prepared.system_prompt, add_special_tokens=False)["input_ids"]
+    head = tokenizer.decode(ids[:n])
+    exact = tokenizer(head, add_special_tokens=False)["input_ids"][:n] == ids[:n]
+    text = head if exact and len(ids) >= n else prepared.system_prompt
+    return SoftPromptPlusConfig(
+        task_type="CAUSAL_LM",
+        num_virtual_tokens=n,
+        prompt_init="text",
+        prompt_init_text=text,
+        tokenizer_name_or_path=folder,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- at inference

@@ -5,7 +5,6 @@ teacher samples. Only the student's prompt trains, and only the student stays in
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from typing import Callable, Optional, Sequence, Union
@@ -15,7 +14,6 @@ from peft import PeftModel, get_peft_model
 
 from ..forward import semantics
 from ..forward.routing import BASE
-from ..method.config import SoftPromptPlusConfig
 from . import content as distill_content
 from . import data as distill_data
 from . import score as distill_score
@@ -23,10 +21,10 @@ from .score import CurvePoint, DistillReport, Figures
 from .teacher import (
     TEACHER,
     DistillSamples,
-    Sample,
     attach_teacher,
     greedy,
     greedy_continuations,
+    quoted_rows,
     sample_continuations,
     sample_turns,
     split_turns,
@@ -75,26 +73,6 @@ def _problems(model, user_turns, held_out_turns, counts: dict, lr, fraction, ini
     if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= steps for s in evaluate_at):
         found.append(f"`evaluate_at` must hold steps in [0, `steps`={steps}], got {list(evaluate_at)!r}.")
     return found
-
-
-def _init_config(tokenizer, prepared: distill_data.Prepared, n: int, seed: int, init: str) -> SoftPromptPlusConfig:
-    """`init="text"` starts from the system prompt's own first N tokens where the tokenizer can be reloaded (else from
-    vocabulary rows); only those N tokens' text is kept in the config, not the whole (maybe private) system prompt."""
-    folder = getattr(tokenizer, "name_or_path", "")
-    if init != "text" or not (folder and os.path.isdir(folder)):
-        init = "vocab" if init == "text" else init
-        return SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=n, prompt_init=init, init_seed=seed)
-    ids = tokenizer(prepared.system_prompt, add_special_tokens=False)["input_ids"]
-    head = tokenizer.decode(ids[:n])
-    exact = tokenizer(head, add_special_tokens=False)["input_ids"][:n] == ids[:n]
-    text = head if exact and len(ids) >= n else prepared.system_prompt
-    return SoftPromptPlusConfig(
-        task_type="CAUSAL_LM",
-        num_virtual_tokens=n,
-        prompt_init="text",
-        prompt_init_text=text,
-        tokenizer_name_or_path=folder,
-    )
 
 
 def _batches(count: int, batch_size: int, rng: random.Random):
@@ -201,13 +179,13 @@ def distill_prompt(
     given = (turns or []) + list(held_out_turns or []) + [p.question for p in probes or []]
     for turn in given:  # every given turn is checked before the model changes
         prepared.suffix_ids(tokenizer, turn)
-    config = _init_config(tokenizer, prepared, num_virtual_tokens, seed, prompt_init)
+    config = distill_data.init_config(tokenizer, prepared, num_virtual_tokens, seed, prompt_init)
     config.chat_format = "student" if chat else None  # how a server formats its messages (`student_inputs`)
     if in_system_turn:  # the template's system header before the soft tokens, its end of turn after them
         head, tail = distill_data.system_turn(tokenizer, prepared)
         config.prompt_prefix_ids, config.prompt_suffix_ids = head or None, tail or None
     if keep_text is not None:  # frozen hard tokens after the soft ones, saved with the adapter
-        kept = _kept_ids(tokenizer, prepared, keep_text, in_system_turn)
+        kept = distill_data.kept_ids(tokenizer, prepared, keep_text, in_system_turn)
         config.prompt_suffix_ids = kept + (config.prompt_suffix_ids or [])
     model = get_peft_model(model, config)
     attach_teacher(model, prepared.prefix_ids)
@@ -273,15 +251,17 @@ def _draw(model, tokenizer, prepared, draw: tuple, fraction, seed, counts, log) 
         log(f"sampling {counts['sampled_turns']} user turns from the teacher")
         turns = sample_turns(model, tokenizer, prepared, counts["sampled_turns"], batch, pad)
     parts = distill_content.parts(prepared.system_prompt)
-    drafted = [[q for q in part.questions(turns_per_part) if _fits(prepared, tokenizer, q)] for part in parts]
+    drafted = [
+        [q for q in part.questions(turns_per_part) if distill_data.fits(prepared, tokenizer, q)] for part in parts
+    ]
     drafted_probes = probes is None
     if drafted_probes:  # one question per part, in a form no training turn uses
-        probes = [part.probe() for part in parts if _fits(prepared, tokenizer, part.probe().question)]
+        probes = [part.probe() for part in parts if distill_data.fits(prepared, tokenizer, part.probe().question)]
     # The user's held-out turns stay held out even when the teacher writes the training turns.
     train, held_out = split_turns(turns, held_out_turns, fraction, seed)
     if written:  # sampled turns are checked here; given ones were checked before the model changed
-        train = [t for t in train if _fits(prepared, tokenizer, t)]
-        held_out = [t for t in held_out if _fits(prepared, tokenizer, t)]
+        train = [t for t in train if distill_data.fits(prepared, tokenizer, t)]
+        held_out = [t for t in held_out if distill_data.fits(prepared, tokenizer, t)]
         if not train or not held_out:
             raise ValueError(
                 f"The teacher's own user turns left {len(train)} to train on and {len(held_out)} held out; pass "
@@ -309,40 +289,3 @@ def _draw(model, tokenizer, prepared, draw: tuple, fraction, seed, counts, log) 
     out.held_out_prompts = held
     out.teacher_greedy = greedy(model, held, TEACHER, pad, stops, batch)
     return out
-
-
-def quoted_rows(tokenizer, prepared, parts, count: int) -> list[Sample]:
-    """Rows whose reply is a part's own text, after `count` questions asking to quote it (`quote_parts`)."""
-    rows = []
-    for part in parts:
-        reply = tokenizer(" ".join(part.text.split()), add_special_tokens=False)["input_ids"]
-        for question in part.quotes(count):
-            if _fits(prepared, tokenizer, question):
-                suffix = prepared.suffix_ids(tokenizer, question)
-                rows.append(Sample(suffix + reply, len(suffix) - 1))
-    return rows
-
-
-def _kept_ids(tokenizer, prepared, keep_text, in_system_turn: bool) -> list[int]:
-    """`keep_text`'s ids as the student reads them after its soft tokens: a system turn of its own (plain mode: the
-    text and the separator), or, inside the system turn, a paragraph before the turn's end."""
-    flat = " ".join(keep_text.split()) if isinstance(keep_text, str) else ""
-    if not flat or flat not in " ".join(prepared.system_prompt.split()):
-        raise ValueError(
-            f"distill_prompt: `keep_text` must be a non-empty passage of `system_prompt` (spacing aside), got "
-            f"{keep_text!r:.80}. Copy the sentences to keep as hard text (its facts, say) from the system prompt."
-        )
-    text = (
-        "\n\n" + keep_text.strip()
-        if in_system_turn
-        else distill_data.FORMATS[prepared.mode].prefix(tokenizer, keep_text.strip())
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _fits(prepared, tokenizer, turn: str) -> bool:
-    try:
-        prepared.suffix_ids(tokenizer, turn)
-    except ValueError:
-        return False
-    return True

@@ -12,7 +12,7 @@ import torch
 
 from ..forward.routing import BASE
 from ..method.config import SoftPromptPlusConfig
-from .data import Prepared, cut_turn, left_padded, opener_ids
+from .data import Prepared, cut_turn, fits, left_padded, opener_ids
 
 TEACHER = "softprompt_plus_teacher"
 AGREEMENT_TOKENS = 16  # greedy agreement is judged on the first 16 tokens
@@ -183,3 +183,15 @@ def greedy_continuations(
     return _continuations(
         model, suffixes, pad_id, stop_ids, batch_size, do_sample=False, max_new_tokens=max_new_tokens
     )
+
+
+def quoted_rows(tokenizer, prepared, parts, count: int) -> list[Sample]:
+    """Rows whose reply is a part's own text, after `count` questions asking to quote it (`quote_parts`)."""
+    rows = []
+    for part in parts:
+        reply = tokenizer(" ".join(part.text.split()), add_special_tokens=False)["input_ids"]
+        for question in part.quotes(count):
+            if fits(prepared, tokenizer, question):
+                suffix = prepared.suffix_ids(tokenizer, question)
+                rows.append(Sample(suffix + reply, len(suffix) - 1))
+    return rows
