@@ -22,22 +22,35 @@ import json
 import pickle
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus import distill_prompt
 from peft_softprompt_plus.apps.fetch import fetch_checkpoint
-from peft_softprompt_plus.distill.content import REPLY_TOKENS, parts, read_probes, score
+from peft_softprompt_plus.distill.content import parts, read_probes, replies, score
 from peft_softprompt_plus.distill.data import pad_id, prepare
 from peft_softprompt_plus.distill.score import gap_closed
-from peft_softprompt_plus.distill.teacher import generate_rows, quoted_rows
+from peft_softprompt_plus.distill.teacher import quoted_rows
 from peft_softprompt_plus.forward.routing import BASE
 
 DATA = Path(__file__).resolve().parent / "distill_content"
 OUT = Path(__file__).resolve().parent / "out"
-# name -> (turns_per_part, answer_weight, num_virtual_tokens, in_system_turn, greedy_part_replies[, quote_parts[,
-# facts kept as hard text]]); arms with the same turns_per_part and greedy_part_replies share the teacher's samples
+
+
+class Arm(NamedTuple):
+    """One arm's options; arms with the same turns_per_part and greedy_part_replies share the teacher's samples."""
+
+    turns_per_part: int
+    answer_weight: float
+    num_virtual_tokens: int
+    in_system_turn: bool = False
+    greedy_part_replies: bool = False
+    quote_parts: int = 0
+    keep_facts: bool = False  # keep the prompt's facts as hard text (`keep_text`: KEPT_PARAGRAPHS)
+
+
 ARMS = {
     "generic turns (0.3 defaults)": (0, 0.0, 16, False, False),
     "+ 3 turns per part": (3, 0.0, 16, False, False),
@@ -77,18 +90,15 @@ def _user_probes(model, tokenizer, system_prompt: str, teacher_replies: dict):
     prompt's ids (the teacher adapter is gone from the returned model); its replies are drawn once per process."""
     probes = read_probes((DATA / "user_probes.jsonl").read_text().splitlines())
     prepared = prepare(tokenizer, system_prompt, True, 1)
-    rows = [prepared.suffix_ids(tokenizer, p.question) for p in probes]
 
-    def read(rows, adapter):
-        new = generate_rows(
-            model, rows, adapter, pad_id(tokenizer), prepared.stop_ids, do_sample=False, max_new_tokens=REPLY_TOKENS
-        )
-        return [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in new]
+    questions, pad = [p.question for p in probes], pad_id(tokenizer)
+
+    def read(adapter, prefix_ids=()):
+        return replies(model, tokenizer, prepared, questions, adapter, pad, len(questions), prefix_ids)
 
     if not teacher_replies:
-        teacher_replies["teacher"] = read([prepared.prefix_ids + row for row in rows], BASE)
-        teacher_replies["none"] = read(rows, BASE)
-    return score({**teacher_replies, "student": read(rows, "default")}, probes, system_prompt)
+        teacher_replies.update(teacher=read(BASE, prepared.prefix_ids), none=read(BASE))
+    return score({**teacher_replies, "student": read("default")}, probes, system_prompt)
 
 
 def main() -> None:
@@ -117,9 +127,7 @@ def main() -> None:
     results, teacher_replies = {}, {}
     OUT.mkdir(exist_ok=True)
     for name in names:
-        per_part, weight, n, in_turn, greedy, quotes, keep = (
-            ARMS[name] + (False, False, 0, False)[len(ARMS[name]) - 3 :]
-        )
+        per_part, weight, n, in_turn, greedy, quotes, keep = Arm(*ARMS[name])
         keep_text = "\n\n".join(system_prompt.split("\n\n")[KEPT_PARAGRAPHS]) if keep else None
         kept, samples = _samples(args.seed, per_part, args.max_new_tokens, greedy, quotes, args.fresh)
         if quotes and samples is None and not args.fresh:

@@ -125,10 +125,10 @@ def _distill(args) -> int:
         )
     users, held_out = _turns("--user-file", args.user_file), _turns("--held-out-file", args.held_out_file)
     probes = _probes(args.probe_file)
+    from ..distill.content import passage_of  # the standard library only
+
     args.keep_text = _text_file("--keep-file", args.keep_file).strip() if args.keep_file else None
-    if args.keep_file and (
-        not args.keep_text or " ".join(args.keep_text.split()) not in " ".join(system_prompt.split())
-    ):
+    if args.keep_file and not passage_of(args.keep_text, system_prompt):
         raise ValueError(
             f"`--keep-file`={args.keep_file!r} must hold a non-empty passage of the system prompt (spacing aside). "
             "Copy the sentences to keep as hard text from --system-prompt-file."

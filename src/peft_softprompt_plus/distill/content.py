@@ -40,6 +40,12 @@ def words(text: str) -> set[str]:
     return found
 
 
+def passage_of(text, whole: str) -> bool:
+    """Whether `text` is a non-empty passage of `whole`, spacing aside (`keep_text`, CLI `--keep-file`)."""
+    flat = " ".join(text.split()) if isinstance(text, str) else ""
+    return bool(flat) and flat in " ".join(whole.split())
+
+
 @dataclass(frozen=True)
 class Probe:
     """A question whose answer the system prompt fixes; `facts`: what a reply must state (None: the facts of the
@@ -119,11 +125,15 @@ def score(replies: dict[str, list[str]], probes: list[Probe], system_prompt: str
     return ContentScore(mean["teacher"], mean["student"], mean["none"], len(kept), kept)
 
 
-def replies(model, tokenizer, prepared: Prepared, questions: list[str], adapter: str, pad_id: int, batch_size: int):
-    """`adapter`'s greedy reply to each question (TEACHER, the student, or BASE for no prompt), as text."""
+def replies(
+    model, tokenizer, prepared: Prepared, questions: list[str], adapter: str, pad_id: int, batch_size: int,
+    prefix_ids: Sequence[int] = (),
+):  # fmt: skip
+    """`adapter`'s greedy reply to each question (TEACHER, the student, or BASE for no prompt), as text; `prefix_ids`
+    go before each question's ids (BASE after the hard prefix's ids reads as the teacher does)."""
     from .teacher import generate_rows  # torch: only here, so the CLI reads a probe file without it
 
-    rows = [prepared.suffix_ids(tokenizer, q) for q in questions]
+    rows = [list(prefix_ids) + prepared.suffix_ids(tokenizer, q) for q in questions]
     out = []
     for start in range(0, len(rows), batch_size):
         new = generate_rows(

@@ -205,16 +205,8 @@ def fits(prepared: Prepared, tokenizer, turn: str) -> bool:
 def kept_ids(tokenizer, prepared, keep_text, in_system_turn: bool) -> list[int]:
     """`keep_text`'s ids as the student reads them after its soft tokens: a system turn of its own (plain mode: the
     text and the separator), or, inside the system turn, a paragraph before the turn's end."""
-    flat = " ".join(keep_text.split()) if isinstance(keep_text, str) else ""
-    if not flat or flat not in " ".join(prepared.system_prompt.split()):
-        raise ValueError(
-            f"distill_prompt: `keep_text` must be a non-empty passage of `system_prompt` (spacing aside), got "
-            f"{keep_text!r:.80}. Copy the sentences to keep as hard text (its facts, say) from the system prompt."
-        )
-    text = (
-        "\n\n" + keep_text.strip() if in_system_turn else FORMATS[prepared.mode].prefix(tokenizer, keep_text.strip())
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = keep_text.strip()
+    return _ids(tokenizer, "\n\n" + text if in_system_turn else FORMATS[prepared.mode].prefix(tokenizer, text))
 
 
 def init_config(tokenizer, prepared: Prepared, n: int, seed: int, init: str) -> SoftPromptPlusConfig:

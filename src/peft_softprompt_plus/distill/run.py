@@ -161,6 +161,11 @@ def distill_prompt(
     problems = _problems(
         model, user_turns, held_out_turns, counts, lr, held_out_fraction, prompt_init, evaluate_at, how
     )
+    if keep_text is not None and not distill_content.passage_of(keep_text, system_prompt):
+        problems.append(
+            f"`keep_text` must be a non-empty passage of `system_prompt` (spacing aside), got {keep_text!r:.80}. Copy "
+            "the sentences to keep as hard text (its facts, say) from the system prompt."
+        )
     if problems:
         raise ValueError("distill_prompt: " + " ".join(problems))
     log = progress or (lambda line: None)
