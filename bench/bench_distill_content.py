@@ -10,6 +10,13 @@ to the teacher and no system prompt, and on held-out per-token KL. Method: docs/
         --arm "+ 3 turns per part, answer weight 0.5, N=64"   # the docs' recommendation, with its KL curve
     python bench/bench_distill_content.py --steps 120 --max-new-tokens 64 \
         --arm "+ 3 turns per part, answer weight 0.5, N=64"   # longer teacher continuations to train on
+    python bench/bench_distill_content.py --steps 120 --prompt museum \
+        --arm "+ 3 turns per part, answer weight 0.5, N=16, facts kept as hard text"   # a second prompt's folder
+    python bench/bench_distill_content.py --score-only --arm ...   # the arms' saved adapters on today's user probes
+
+Each arm is also scored on the prompt folder's user_probes.jsonl (questions a customer would ask, written by hand);
+an arm that keeps the facts as hard text also scores the base reading that kept text alone (kept.txt) as its system
+prompt, so the soft tokens' own share shows.
 
 The teacher's samples for a seed are drawn once and kept in bench/out/ (`--fresh` draws them again), so arms run in
 separate processes score on the same probes and held-out turns.
@@ -20,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import random
+import re
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -29,8 +38,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus import distill_prompt
 from peft_softprompt_plus.apps.fetch import fetch_checkpoint
-from peft_softprompt_plus.distill.content import parts, read_probes, replies, score
-from peft_softprompt_plus.distill.data import pad_id, prepare
+from peft_softprompt_plus.distill.content import parts, read_probes, replies, score, words
+from peft_softprompt_plus.distill.data import kept_ids, pad_id, prepare
 from peft_softprompt_plus.distill.score import gap_closed
 from peft_softprompt_plus.distill.teacher import quoted_rows
 from peft_softprompt_plus.forward.routing import BASE
@@ -48,7 +57,7 @@ class Arm(NamedTuple):
     in_system_turn: bool = False
     greedy_part_replies: bool = False
     quote_parts: int = 0
-    keep_facts: bool = False  # keep the prompt's facts as hard text (`keep_text`: KEPT_PARAGRAPHS)
+    keep_facts: bool = False  # keep the prompt's facts as hard text (`keep_text`: the prompt folder's kept.txt)
 
 
 ARMS = {
@@ -65,13 +74,23 @@ ARMS = {
     "+ greedy part replies, N=64": (3, 0.0, 64, False, True),
     "+ greedy and quoted part replies, answer weight 0.5, N=64": (3, 0.5, 64, False, True, 3),
     "+ 3 turns per part, answer weight 0.5, N=16, facts kept as hard text": (3, 0.5, 16, False, False, 0, True),
+    "+ in the system turn, N=16, facts kept as hard text": (3, 0.5, 16, True, False, 0, True),
+    "+ 3 turns per part, answer weight 0.5, N=64, facts kept as hard text": (3, 0.5, 64, False, False, 0, True),
 }
-# The passage a "facts kept as hard text" arm keeps (`keep_text`): the prompt's two paragraphs of facts.
-KEPT_PARAGRAPHS = slice(1, 3)
 DEFAULT_ARMS = list(ARMS)[:3]
 
 
-def _samples(seed: int, per_part: int, length: int, greedy: bool, quotes: int, fresh: bool):
+def _tag(data: Path) -> str:
+    """ "" for the bike-shop prompt (the earlier files' names kept), else "-<folder>"."""
+    return "" if data == DATA else f"-{data.name}"
+
+
+def _keep_text(data: Path, keep: bool):
+    """A "facts kept as hard text" arm's passage: the prompt folder's kept.txt (its paragraphs of facts)."""
+    return (data / "kept.txt").read_text().strip() if keep else None
+
+
+def _samples(data: Path, seed: int, per_part: int, length: int, greedy: bool, quotes: int, fresh: bool):
     """The teacher's samples kept from an earlier process for this seed, turns per part, continuation length, greedy
     part replies and quoting questions, or None."""
     tail = (
@@ -79,16 +98,18 @@ def _samples(seed: int, per_part: int, length: int, greedy: bool, quotes: int, f
         + ("-greedy" if greedy else "")
         + (f"-quote{quotes}" if quotes else "")
     )  # the earlier files' names kept
-    path = OUT / f"distill_content_samples-seed{seed}-parts{per_part}{tail}.pkl"
+    path = OUT / f"distill_content_samples{_tag(data)}-seed{seed}-parts{per_part}{tail}.pkl"
     return path, (None if fresh or not path.exists() else pickle.loads(path.read_bytes()))
 
 
 @torch.no_grad()
-def _user_probes(model, tokenizer, system_prompt: str, teacher_replies: dict):
+def _user_probes(model, tokenizer, data: Path, system_prompt: str, teacher_replies: dict, keep_text=None):
     """The content score on bench/distill_content/user_probes.jsonl: questions a user would ask, written by hand with
     the facts a reply must state, in no form the training turns use. The teacher is the base reading the hard system
-    prompt's ids (the teacher adapter is gone from the returned model); its replies are drawn once per process."""
-    probes = read_probes((DATA / "user_probes.jsonl").read_text().splitlines())
+    prompt's ids (the teacher adapter is gone from the returned model); its replies are drawn once per process. With
+    `keep_text`, also the score of the base reading the kept text alone as its system turn (no soft tokens): what the
+    soft tokens add over a hard prompt cut to its facts."""
+    probes = read_probes((data / "user_probes.jsonl").read_text().splitlines())
     prepared = prepare(tokenizer, system_prompt, True, 1)
 
     questions, pad = [p.question for p in probes], pad_id(tokenizer)
@@ -98,7 +119,61 @@ def _user_probes(model, tokenizer, system_prompt: str, teacher_replies: dict):
 
     if not teacher_replies:
         teacher_replies.update(teacher=read(BASE, prepared.prefix_ids), none=read(BASE))
-    return score({**teacher_replies, "student": read("default")}, probes, system_prompt)
+    kept_only = None
+    if keep_text is not None:
+        kept_only = score({**teacher_replies, "student": read(BASE, kept_ids(tokenizer, prepared, keep_text, False))},
+                          probes, system_prompt)  # fmt: skip
+    return score({**teacher_replies, "student": read("default")}, probes, system_prompt), kept_only
+
+
+def _kept_interval(rows: list[dict], draws: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of `kept` over questions (ContentScore.replies): one fact's swing shows."""
+    shares = []
+    for row in rows:
+        facts = set().union(*(words(fact) for fact in row["facts"]))
+        shares.append({r: len(words(row[r]) & facts) / len(facts) for r in ("teacher", "student", "none")})
+    rng, kept = random.Random(0), []
+    for _ in range(draws):
+        pick = [rng.choice(shares) for _ in shares]
+        mean = {r: sum(p[r] for p in pick) / len(pick) for r in ("teacher", "student", "none")}
+        gain = mean["teacher"] - mean["none"]
+        if gain > 0:
+            kept.append((mean["student"] - mean["none"]) / gain)
+    kept.sort()
+    return kept[int(0.025 * len(kept))], kept[int(0.975 * len(kept)) - 1]
+
+
+def _adapter_dir(data: Path, name: str, seed: int) -> Path:
+    return OUT / ("adapter" + _tag(data) + "-" + re.sub(r"\W+", "-", name).strip("-") + f"-seed{seed}")
+
+
+def _score_only(names, seed, path, tokenizer, data: Path, system_prompt: str) -> None:
+    """`--score-only`: each arm's adapter saved by an earlier run, scored again on today's user probes."""
+    from peft import PeftModel
+
+    teacher_replies = {}
+    for name in names:
+        folder = _adapter_dir(data, name, seed)
+        if not folder.exists():
+            raise SystemExit(f"--score-only: no adapter for {name!r} seed {seed} at {folder}; run the arm first")
+        keep_text = _keep_text(data, Arm(*ARMS[name]).keep_facts)
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), folder)
+        u, kept_only = _user_probes(model, tokenizer, data, system_prompt, teacher_replies, keep_text)
+        figures = dict(
+            arm=name, prompt=data.name, seed=seed, score_only=True,
+            user_probes=dict(
+                probes=u.probes, teacher=u.teacher, student=u.student, none=u.none, kept=u.kept,
+                kept_95=_kept_interval(u.replies),
+            ),
+            kept_text_only=None if kept_only is None else dict(student=kept_only.student, kept=kept_only.kept),
+            user_replies=u.replies,
+        )  # fmt: skip
+        with open(OUT / "distill_content.jsonl", "a") as log:
+            log.write(json.dumps(figures) + "\n")
+        low, high = figures["user_probes"]["kept_95"]
+        only = "" if kept_only is None else f"; kept text alone {kept_only.student:.2f} (kept {kept_only.kept:.0%})"
+        print(f"| {name} | seed {seed} | user probes ({u.probes}): teacher {u.teacher:.2f} / student {u.student:.2f} "
+              f"/ none {u.none:.2f} | kept {u.kept:.0%} (95%: {low:.0%}–{high:.0%}){only} |", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -114,6 +189,15 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--arm", action="append", help=f"one arm, repeatable (default the first 3): {list(ARMS)}")
     parser.add_argument("--fresh", action="store_true", help="draw the teacher's samples again")
+    parser.add_argument(
+        "--prompt",
+        default=None,
+        help="a folder under bench/distill_content/ with its own system_prompt.txt, "
+        "user_probes.jsonl and kept.txt (default: the bike-shop prompt at its top)",
+    )
+    parser.add_argument(
+        "--score-only", action="store_true", help="score the arms' adapters saved by an earlier run on the user probes"
+    )
     args = parser.parse_args()
     names = args.arm or DEFAULT_ARMS
     unknown = [name for name in names if name not in ARMS]
@@ -123,16 +207,21 @@ def main() -> None:
     evaluate_at = [int(step) for step in args.evaluate_at.split(",") if step]
     path = fetch_checkpoint("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    system_prompt = (DATA / "system_prompt.txt").read_text().strip()
+    data = DATA / args.prompt if args.prompt else DATA
+    if not (data / "system_prompt.txt").exists():
+        raise SystemExit(f"--prompt: {args.prompt!r} has no system_prompt.txt under {DATA}")
+    system_prompt = (data / "system_prompt.txt").read_text().strip()
     results, teacher_replies = {}, {}
     OUT.mkdir(exist_ok=True)
+    if args.score_only:
+        return _score_only(names, args.seed, path, tokenizer, data, system_prompt)
     for name in names:
         per_part, weight, n, in_turn, greedy, quotes, keep = Arm(*ARMS[name])
-        keep_text = "\n\n".join(system_prompt.split("\n\n")[KEPT_PARAGRAPHS]) if keep else None
-        kept, samples = _samples(args.seed, per_part, args.max_new_tokens, greedy, quotes, args.fresh)
+        keep_text = _keep_text(data, keep)
+        kept, samples = _samples(data, args.seed, per_part, args.max_new_tokens, greedy, quotes, args.fresh)
         if quotes and samples is None and not args.fresh:
             # Quoted rows draw nothing from the RNG: the samples without them, plus them, are what a fresh draw gives.
-            samples = _samples(args.seed, per_part, args.max_new_tokens, greedy, 0, False)[1]
+            samples = _samples(data, args.seed, per_part, args.max_new_tokens, greedy, 0, False)[1]
             if samples is not None:
                 prepared = prepare(tokenizer, system_prompt, True, n)
                 samples.train += quoted_rows(tokenizer, prepared, parts(system_prompt), quotes)
@@ -148,15 +237,21 @@ def main() -> None:
         report = model.distill_report
         if samples is None:
             kept.write_bytes(pickle.dumps(report.samples))
+        model.save_pretrained(_adapter_dir(data, name, args.seed))  # for --score-only
         c = report.content
-        u = _user_probes(model, tokenizer, system_prompt, teacher_replies)
+        u, kept_only = _user_probes(model, tokenizer, data, system_prompt, teacher_replies, keep_text)
         results[name] = dict(
+            prompt=data.name,
             gap_closed=report.gap_closed, kl=report.student.kl, kl_none=report.none.kl, probes=c.probes,
             teacher=c.teacher, student=c.student, none=c.none, kept=c.kept, seconds=time.perf_counter() - began,
             replies=c.replies, seed=args.seed, steps=args.steps, lr=args.lr, samples_reused=samples is not None,
             max_new_tokens=args.max_new_tokens,
-            user_probes=dict(probes=u.probes, teacher=u.teacher, student=u.student, none=u.none, kept=u.kept),
+            user_probes=dict(
+                probes=u.probes, teacher=u.teacher, student=u.student, none=u.none, kept=u.kept,
+                kept_95=_kept_interval(u.replies),
+            ),
             user_replies=u.replies,
+            kept_text_only=None if kept_only is None else dict(student=kept_only.student, kept=kept_only.kept),
             curve={p.step: round(gap_closed(p.held_out, report.none), 4) for p in report.curve},
         )  # fmt: skip
         figures = {k: v for k, v in results[name].items() if k != "replies"}
@@ -171,7 +266,8 @@ def main() -> None:
         u = r["user_probes"]
         print(
             f"| {name} | {r['gap_closed']:.1%} | {r['teacher']:.2f} / {r['student']:.2f} / {r['none']:.2f} | "
-            f"{r['kept']:.0%} | {u['teacher']:.2f} / {u['student']:.2f} / {u['none']:.2f} | {u['kept']:.0%} |"
+            f"{r['kept']:.0%} | {u['teacher']:.2f} / {u['student']:.2f} / {u['none']:.2f} | {u['kept']:.0%} "
+            f"({u['kept_95'][0]:.0%}–{u['kept_95'][1]:.0%}) |"
         )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
