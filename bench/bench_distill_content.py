@@ -13,6 +13,7 @@ to the teacher and no system prompt, and on held-out per-token KL. Method: docs/
     python bench/bench_distill_content.py --steps 120 --prompt museum \
         --arm "+ 3 turns per part, answer weight 0.5, N=16, facts kept as hard text"   # a second prompt's folder
     python bench/bench_distill_content.py --score-only --arm ...   # the arms' saved adapters on today's user probes
+                                                                   # (and on held-out KL, where the samples are kept)
 
 Each arm is also scored on the prompt folder's user_probes.jsonl (questions a customer would ask, written by hand);
 an arm that keeps the facts as hard text also scores the base reading that kept text alone (kept.txt) as its system
@@ -40,8 +41,8 @@ from peft_softprompt_plus import distill_prompt
 from peft_softprompt_plus.apps.fetch import fetch_checkpoint
 from peft_softprompt_plus.distill.content import parts, read_probes, replies, score, words
 from peft_softprompt_plus.distill.data import kept_ids, pad_id, prepare
-from peft_softprompt_plus.distill.score import gap_closed
-from peft_softprompt_plus.distill.teacher import quoted_rows
+from peft_softprompt_plus.distill.score import gap_closed, held_out_kl
+from peft_softprompt_plus.distill.teacher import KEPT_ONLY, TEACHER, attach_teacher, quoted_rows
 from peft_softprompt_plus.forward.routing import BASE
 
 DATA = Path(__file__).resolve().parent / "distill_content"
@@ -147,6 +148,24 @@ def _adapter_dir(data: Path, name: str, seed: int) -> Path:
     return OUT / ("adapter" + _tag(data) + "-" + re.sub(r"\W+", "-", name).strip("-") + f"-seed{seed}")
 
 
+@torch.no_grad()
+def _held_out_gaps(model, tokenizer, system_prompt: str, samples, keep_text) -> dict:
+    """Held-out KL gap closed, from the seed's saved samples, by the saved student and (with `keep_text`) by the kept
+    text alone as the system turn: the KL half of what the soft tokens add over the kept text."""
+    prepared = prepare(tokenizer, system_prompt, True, 1)
+    attach_teacher(model, prepared.prefix_ids)
+    readers = {"student": "default"}
+    if keep_text is not None:
+        attach_teacher(model, kept_ids(tokenizer, prepared, keep_text, False), KEPT_ONLY)
+        readers["kept text alone"] = KEPT_ONLY
+    pad = pad_id(tokenizer)
+    none = held_out_kl(model, samples.held_out, BASE, pad, 8)
+    gaps = {r: (none - held_out_kl(model, samples.held_out, a, pad, 8)) / none for r, a in readers.items()}
+    for adapter in (TEACHER, *([KEPT_ONLY] if keep_text is not None else [])):
+        model.delete_adapter(adapter)
+    return gaps
+
+
 def _score_only(names, seed, path, tokenizer, data: Path, system_prompt: str) -> None:
     """`--score-only`: each arm's adapter saved by an earlier run, scored again on today's user probes."""
     from peft import PeftModel
@@ -156,11 +175,14 @@ def _score_only(names, seed, path, tokenizer, data: Path, system_prompt: str) ->
         folder = _adapter_dir(data, name, seed)
         if not folder.exists():
             raise SystemExit(f"--score-only: no adapter for {name!r} seed {seed} at {folder}; run the arm first")
-        keep_text = _keep_text(data, Arm(*ARMS[name]).keep_facts)
+        arm = Arm(*ARMS[name])
+        keep_text = _keep_text(data, arm.keep_facts)
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), folder)
+        samples = _samples(data, seed, arm.turns_per_part, 24, arm.greedy_part_replies, arm.quote_parts, False)[1]
+        kl = None if samples is None else _held_out_gaps(model, tokenizer, system_prompt, samples, keep_text)
         u, kept_only = _user_probes(model, tokenizer, data, system_prompt, teacher_replies, keep_text)
         figures = dict(
-            arm=name, prompt=data.name, seed=seed, score_only=True,
+            arm=name, prompt=data.name, seed=seed, score_only=True, held_out_gap_closed=kl,
             user_probes=dict(
                 probes=u.probes, teacher=u.teacher, student=u.student, none=u.none, kept=u.kept,
                 kept_95=_kept_interval(u.replies),
@@ -172,6 +194,8 @@ def _score_only(names, seed, path, tokenizer, data: Path, system_prompt: str) ->
             log.write(json.dumps(figures) + "\n")
         low, high = figures["user_probes"]["kept_95"]
         only = "" if kept_only is None else f"; kept text alone {kept_only.student:.2f} (kept {kept_only.kept:.0%})"
+        if kl is not None:
+            only += "; KL gap closed: " + ", ".join(f"{reader} {gap:.1%}" for reader, gap in kl.items())
         print(f"| {name} | seed {seed} | user probes ({u.probes}): teacher {u.teacher:.2f} / student {u.student:.2f} "
               f"/ none {u.none:.2f} | kept {u.kept:.0%} (95%: {low:.0%}–{high:.0%}){only} |", flush=True)  # fmt: skip
 
@@ -251,7 +275,9 @@ def main() -> None:
                 kept_95=_kept_interval(u.replies),
             ),
             user_replies=u.replies,
-            kept_text_only=None if kept_only is None else dict(student=kept_only.student, kept=kept_only.kept),
+            kept_text_only=None if kept_only is None else dict(
+                student=kept_only.student, kept=kept_only.kept, gap_closed=gap_closed(report.kept_text, report.none),
+            ),
             curve={p.step: round(gap_closed(p.held_out, report.none), 4) for p in report.curve},
         )  # fmt: skip
         figures = {k: v for k, v in results[name].items() if k != "replies"}

@@ -136,6 +136,40 @@ def test_keep_text_is_read_as_hard_tokens_after_the_soft_ones_and_saved(tok, bas
     )
 
 
+def test_the_report_measures_the_kept_text_alone_against_the_base_reading_it(tok, base, tmp_path):  # noqa: F811
+    kept = "answer with red green blue"
+    probes = [content.Probe("which colors?", ("red", "green", "blue")), content.Probe("and the fox?", ("brown",))]
+    model = _distill(base, tok, user_turns=USERS, held_out_turns=HELD_OUT, steps=2, keep_text=kept, probes=probes)
+    report = model.distill_report
+    # Reference: per-token KL of the base reading the kept text as its system turn, against the base reading the
+    # whole system turn, over every held-out continuation, each row alone (no padding).
+    prepared = distill_data.prepare(tok, SYSTEM, True, 4)
+    heads = (prepared.prefix_ids, distill_data.kept_ids(tok, prepared, kept, False))
+    total, count = 0.0, 0
+    for sample in report.samples.held_out:
+        with torch.no_grad():
+            logits = [
+                model(input_ids=torch.tensor([head + sample.ids]), adapter_names=["__base__"]).logits[0, len(head) :]
+                for head in heads
+            ]  # 2 x [L, V]
+        scored = torch.arange(len(sample.ids)) >= sample.first  # [L]
+        kl = token_kl(logits[0].unsqueeze(0), logits[1].unsqueeze(0), scored.unsqueeze(0))  # [P]
+        total, count = total + kl.sum().item(), count + kl.numel()
+    assert report.kept_text.kl == pytest.approx(total / count, rel=1e-4, abs=1e-6)
+    assert report.kept_text.kl != pytest.approx(report.student.kl)  # another reader, not the student again
+    assert report.kept_text_content is not None and report.kept_text_content.teacher == report.content.teacher
+    assert [r["question"] for r in report.kept_text_content.replies] == [p.question for p in probes]
+    assert any("the kept text alone as the system prompt (no soft tokens)" in line for line in report.lines())
+    assert report.metrics()["held_out_kl_kept_text_alone"] == round(report.kept_text.kl, 4)
+    assert list(model.peft_config) == ["default"]  # the baseline reader is never saved
+    model.save_pretrained(tmp_path)
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    assert saved == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    plain = _distill(base, tok, user_turns=USERS, steps=1).distill_report
+    assert plain.kept_text is None and plain.kept_text_content is None
+    assert not any("kept text alone" in line for line in plain.lines())
+
+
 def test_the_answer_weight_counts_the_tokens_the_system_prompt_decides(tok, base):  # noqa: F811
     model = _distill(base, tok, user_turns=USERS, steps=1)
     model.add_adapter(TEACHER, model.peft_config["default"])  # a stand-in teacher: the same path, another prompt

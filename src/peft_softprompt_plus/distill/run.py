@@ -19,6 +19,7 @@ from . import data as distill_data
 from . import score as distill_score
 from .score import CurvePoint, DistillReport, Figures
 from .teacher import (
+    KEPT_ONLY,
     TEACHER,
     DistillSamples,
     attach_teacher,
@@ -213,14 +214,20 @@ def distill_prompt(
         model, samples, steps, batch_size, lr, seed, set(evaluate_at), evaluate, log, answer_weight
     )
     student = curve[-1].held_out if curve and curve[-1].step == steps else evaluate()
-    content = _content(model, tokenizer, prepared, samples, pad, batch_size, log)
+    kept_only = None
+    if keep_text is not None:  # the kept text alone as the system turn: what the soft tokens add over it
+        attach_teacher(model, distill_data.kept_ids(tokenizer, prepared, keep_text, False), KEPT_ONLY)
+        kept_only = distill_score.figures(model, samples, KEPT_ONLY, pad, stops, batch_size)
+    content, kept_content = _content(model, tokenizer, prepared, samples, pad, batch_size, log, kept_only is not None)
     init = f"{config.prompt_init}" + (" (the system prompt's first tokens)" if config.prompt_init == "text" else "")
     report = DistillReport(
         prepared.mode, len(prepared.prefix_ids), num_virtual_tokens, steps, batch_size, lr, seed, init, gap,
         student, none, wall, cpu, samples, curve, content, turns_per_part, answer_weight, greedy_part_replies,
-        quote_parts,
+        quote_parts, kept_only, kept_content,
     )  # fmt: skip
     model.delete_adapter(TEACHER)
+    if kept_only is not None:
+        model.delete_adapter(KEPT_ONLY)
     model.softprompt_plus_metrics = report.metrics()
     model.distill_report = report
     for line in report.lines():
@@ -228,11 +235,12 @@ def distill_prompt(
     return model
 
 
-def _content(model, tokenizer, prepared, samples: DistillSamples, pad: int, batch_size: int, log):
+def _content(model, tokenizer, prepared, samples: DistillSamples, pad: int, batch_size: int, log, kept_only: bool):
     """The content score: each reader's greedy reply to every probe; the teacher's and no prompt's are drawn once
-    and kept with the samples (a reused `samples` doesn't draw them again)."""
+    and kept with the samples (a reused `samples` doesn't draw them again). With `kept_only`, also the score of the
+    kept text alone (adapter KEPT_ONLY) in the student's place."""
     if not samples.probes:
-        return None
+        return None, None
     questions = [p.question for p in samples.probes]
     log(f"content: greedy replies to {len(questions)} probe questions")
     for reader, adapter in (("teacher", TEACHER), ("none", BASE)):
@@ -240,8 +248,13 @@ def _content(model, tokenizer, prepared, samples: DistillSamples, pad: int, batc
             samples.probe_replies[reader] = distill_content.replies(
                 model, tokenizer, prepared, questions, adapter, pad, batch_size
             )
-    student = distill_content.replies(model, tokenizer, prepared, questions, STUDENT, pad, batch_size)
-    return distill_content.score({**samples.probe_replies, "student": student}, samples.probes, prepared.system_prompt)
+
+    def score(adapter: str):  # `adapter`'s replies in the student's place
+        student = distill_content.replies(model, tokenizer, prepared, questions, adapter, pad, batch_size)
+        replies = {**samples.probe_replies, "student": student}
+        return distill_content.score(replies, samples.probes, prepared.system_prompt)
+
+    return score(STUDENT), score(KEPT_ONLY) if kept_only else None
 
 
 def _draw(model, tokenizer, prepared, draw: tuple, fraction, seed, counts, log) -> DistillSamples:

@@ -139,6 +139,8 @@ class DistillReport:
     answer_weight: float = 0.0
     greedy_part_replies: bool = False
     quote_parts: int = 0
+    kept_text: Optional[Figures] = None  # `keep_text` alone as the system turn, no soft tokens (None: nothing kept)
+    kept_text_content: Optional[ContentScore] = None  # its content score, "student" being the kept text alone
 
     @property
     def gap_closed(self) -> float:
@@ -162,7 +164,19 @@ class DistillReport:
             f"{self.gap_closed:.1%}",
             f"  greedy agreement with the teacher: first token {s.first_token:.0%} (no system prompt "
             f"{n.first_token:.0%}), first 16 tokens {s.first_16:.0%} (no system prompt {n.first_16:.0%})",
-        ] + self._content_lines()
+            *self._kept_text_lines(),
+            *self._content_lines(),
+        ]
+
+    def _kept_text_lines(self) -> list[str]:
+        k = self.kept_text
+        if k is None:
+            return []
+        return [
+            f"  the kept text alone as the system prompt (no soft tokens): KL {k.kl:.4f}, gap closed "
+            f"{gap_closed(k, self.none):.1%}, first token {k.first_token:.0%}, first 16 tokens {k.first_16:.0%}: the "
+            f"soft tokens add {self.gap_closed - gap_closed(k, self.none):+.1%} of the gap"
+        ]
 
     def _content_lines(self) -> list[str]:
         c = self.content
@@ -170,19 +184,24 @@ class DistillReport:
             return []
         if not c.probes:
             return ["content: no probe had a fact to check (the teacher's replies stated none of the prompt's words)"]
-        return [
+        lines = [
             f"content ({c.probes} probe questions never trained on, greedy replies of up to {REPLY_TOKENS} tokens): "
             f"share of each probe's facts stated: teacher {c.teacher:.2f}, student {c.student:.2f}, no system "
             f"prompt {c.none:.2f}; the student keeps {c.kept:.0%} of the teacher's gain"
-        ] + (
-            [
+        ]
+        k = self.kept_text_content
+        if k is not None:
+            lines.append(
+                f"  the kept text alone: {k.student:.2f}, keeping {k.kept:.0%} (where it keeps as much as the "
+                "student, the soft tokens carry the tone, not these facts)"
+            )
+        if self.samples.drafted_probes:
+            lines.append(
                 "  (these probes are built from the prompt's own words, as the questions about each part are: "
                 "they can overstate what reaches a user's own questions; pass probes with facts (CLI: --probe-file) "
                 "to measure that)"
-            ]
-            if self.samples.drafted_probes
-            else []
-        )
+            )
+        return lines
 
     def metrics(self) -> dict:
         """The figures for the adapter's model card (`softprompt_plus_metrics`)."""
@@ -204,6 +223,19 @@ class DistillReport:
                     "content_kept": round(self.content.kept, 4),
                 }
                 if self.content is not None and self.content.probes
+                else {}
+            ),
+            **(
+                {
+                    "held_out_kl_kept_text_alone": round(self.kept_text.kl, 4),
+                    "held_out_gap_closed_kept_text_alone": round(gap_closed(self.kept_text, self.none), 4),
+                }
+                if self.kept_text is not None
+                else {}
+            ),
+            **(
+                {"content_kept_text_alone": round(self.kept_text_content.student, 4)}
+                if self.kept_text_content is not None and self.kept_text_content.probes
                 else {}
             ),
         }

@@ -15,12 +15,14 @@ from ..method.config import SoftPromptPlusConfig
 from .data import Prepared, cut_turn, fits, left_padded, opener_ids
 
 TEACHER = "softprompt_plus_teacher"
+KEPT_ONLY = "softprompt_plus_kept_text"  # `keep_text` alone as the system turn, no soft tokens: a baseline reader
 AGREEMENT_TOKENS = 16  # greedy agreement is judged on the first 16 tokens
 TURN_TOKENS = 48  # the longest user turn the teacher samples
 
 
-def attach_teacher(model, prefix_ids: list[int]) -> None:
-    """Add the teacher adapter to `model` (a softprompt-plus PeftModel): the hard prefix as a frozen prompt.
+def attach_teacher(model, prefix_ids: list[int], name: str = TEACHER) -> None:
+    """Add the teacher adapter (or another hard reader, `name`) to `model` (a softprompt-plus PeftModel): the hard
+    prefix as a frozen prompt.
 
     Exact where the model embeds ids by its input embedding alone (every transformers decoder: a scale or position
     embedding applies to `inputs_embeds` as to ids): prompt positions 0..S-1 then the text from S are what the base
@@ -33,11 +35,11 @@ def attach_teacher(model, prefix_ids: list[int]) -> None:
         validate_gradients="off",
         init_seed=0,
     )
-    model.add_adapter(TEACHER, config)
+    model.add_adapter(name, config)
     embedding = model.get_input_embeddings()
     with torch.no_grad():
         rows = embedding(torch.tensor(prefix_ids, device=embedding.weight.device))  # [S, D]
-        prompt = model.base_model.prompt(TEACHER)
+        prompt = model.base_model.prompt(name)
         prompt.copy_(rows.float())
     prompt.requires_grad_(False)
 
