@@ -233,7 +233,7 @@ def test_cli_takes_a_probe_file_and_held_out_turns_alone(chat_dir, tmp_path, cap
     assert cli_main(argv + ["--keep-file", str(tmp_path / "keep.txt")]) == 0
     suffix = json.loads((out / "adapter_config.json").read_text())["prompt_suffix_ids"]
     assert SYSTEM.split(".")[1].strip() in AutoTokenizer.from_pretrained(chat_dir).decode(suffix)
-    capsys.readouterr()
+    assert "the kept text alone as the system prompt (no soft tokens): KL" in capsys.readouterr().out
     assert cli_main(argv + ["--quote-parts", "5"]) == 2
     assert "`--quote-parts` must be 0 to 3 (quoting questions per part), got 5" in capsys.readouterr().err
     (tmp_path / "probes.txt").write_text('{"question": ""}\n')
