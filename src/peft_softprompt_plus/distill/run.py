@@ -13,7 +13,6 @@ import torch
 from peft import PeftModel, get_peft_model
 
 from ..forward import semantics
-from ..forward.routing import BASE
 from . import content as distill_content
 from . import data as distill_data
 from . import score as distill_score
@@ -218,7 +217,9 @@ def distill_prompt(
     if keep_text is not None:  # the kept text alone as the system turn: what the soft tokens add over it
         attach_teacher(model, distill_data.kept_ids(tokenizer, prepared, keep_text, False), KEPT_ONLY)
         kept_only = distill_score.figures(model, samples, KEPT_ONLY, pad, stops, batch_size)
-    content, kept_content = _content(model, tokenizer, prepared, samples, pad, batch_size, log, kept_only is not None)
+    readers = (STUDENT, KEPT_ONLY) if kept_only is not None else (STUDENT,)
+    scores = distill_score.content_scores(model, tokenizer, prepared, samples, readers, pad, batch_size, log)
+    content, kept_content = scores.get(STUDENT), scores.get(KEPT_ONLY)
     init = f"{config.prompt_init}" + (" (the system prompt's first tokens)" if config.prompt_init == "text" else "")
     report = DistillReport(
         prepared.mode, len(prepared.prefix_ids), num_virtual_tokens, steps, batch_size, lr, seed, init, gap,
@@ -233,28 +234,6 @@ def distill_prompt(
     for line in report.lines():
         log(line)
     return model
-
-
-def _content(model, tokenizer, prepared, samples: DistillSamples, pad: int, batch_size: int, log, kept_only: bool):
-    """The content score: each reader's greedy reply to every probe; the teacher's and no prompt's are drawn once
-    and kept with the samples (a reused `samples` doesn't draw them again). With `kept_only`, also the score of the
-    kept text alone (adapter KEPT_ONLY) in the student's place."""
-    if not samples.probes:
-        return None, None
-    questions = [p.question for p in samples.probes]
-    log(f"content: greedy replies to {len(questions)} probe questions")
-    for reader, adapter in (("teacher", TEACHER), ("none", BASE)):
-        if reader not in samples.probe_replies:
-            samples.probe_replies[reader] = distill_content.replies(
-                model, tokenizer, prepared, questions, adapter, pad, batch_size
-            )
-
-    def score(adapter: str):  # `adapter`'s replies in the student's place
-        student = distill_content.replies(model, tokenizer, prepared, questions, adapter, pad, batch_size)
-        replies = {**samples.probe_replies, "student": student}
-        return distill_content.score(replies, samples.probes, prepared.system_prompt)
-
-    return score(STUDENT), score(KEPT_ONLY) if kept_only else None
 
 
 def _draw(model, tokenizer, prepared, draw: tuple, fraction, seed, counts, log) -> DistillSamples:

@@ -1,14 +1,16 @@
 """Scoring against the teacher, for training and for the held-out figures: KL(teacher || student) per token on the
-assistant positions, greedy agreement with the teacher's first tokens, and the report `distill_prompt` hands back."""
+assistant positions, greedy agreement with the teacher's first tokens, each reader's content score on the probes,
+and the report `distill_prompt` hands back."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from ..forward.routing import BASE
+from . import content as distill_content
 from .content import REPLY_TOKENS, ContentScore
 from .data import left_padded
 from .teacher import TEACHER, DistillSamples, Sample, greedy
@@ -100,6 +102,29 @@ def figures(model, samples: DistillSamples, adapter: str, pad_id: int, stop_ids,
 def none_figures(model, samples: DistillSamples, pad_id: int, stop_ids, batch_size: int) -> Figures:
     """The baseline: the student's text with no system turn and no prompt (no default system prompt either)."""
     return figures(model, samples, BASE, pad_id, stop_ids, batch_size)
+
+
+def content_scores(
+    model, tokenizer, prepared, samples: DistillSamples, readers: Sequence[str], pad: int, batch_size: int, log
+) -> dict[str, ContentScore]:
+    """The content score of each adapter in `readers`, each in the student's place ({} without probes): greedy
+    replies to every probe; the teacher's and no prompt's are drawn once and kept with the samples (a reused
+    `samples` doesn't draw them again)."""
+    if not samples.probes:
+        return {}
+    questions = [p.question for p in samples.probes]
+    log(f"content: greedy replies to {len(questions)} probe questions")
+    for reader, adapter in (("teacher", TEACHER), ("none", BASE)):
+        if reader not in samples.probe_replies:
+            samples.probe_replies[reader] = distill_content.replies(
+                model, tokenizer, prepared, questions, adapter, pad, batch_size
+            )
+    scores = {}
+    for adapter in readers:
+        student = distill_content.replies(model, tokenizer, prepared, questions, adapter, pad, batch_size)
+        replies = {**samples.probe_replies, "student": student}
+        scores[adapter] = distill_content.score(replies, samples.probes, prepared.system_prompt)
+    return scores
 
 
 def gap_closed(student: Figures, none: Figures) -> float:
