@@ -276,7 +276,7 @@ def main() -> None:
             ),
             user_replies=u.replies,
             kept_text_only=None if kept_only is None else dict(
-                student=kept_only.student, kept=kept_only.kept, gap_closed=gap_closed(report.kept_text, report.none),
+                student=kept_only.student, kept=kept_only.kept, gap_closed=report.kept_text_gap_closed,
             ),
             curve={p.step: round(gap_closed(p.held_out, report.none), 4) for p in report.curve},
         )  # fmt: skip

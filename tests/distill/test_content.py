@@ -161,12 +161,13 @@ def test_the_report_measures_the_kept_text_alone_against_the_base_reading_it(tok
     assert [r["question"] for r in report.kept_text_content.replies] == [p.question for p in probes]
     assert any("the kept text alone as the system prompt (no soft tokens)" in line for line in report.lines())
     assert report.metrics()["held_out_kl_kept_text_alone"] == round(report.kept_text.kl, 4)
+    assert report.kept_text_gap_closed == pytest.approx(1 - report.kept_text.kl / report.none.kl)
     assert list(model.peft_config) == ["default"]  # the baseline reader is never saved
     model.save_pretrained(tmp_path)
     saved = sorted(p.name for p in tmp_path.iterdir())
     assert saved == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     plain = _distill(base, tok, user_turns=USERS, steps=1).distill_report
-    assert plain.kept_text is None and plain.kept_text_content is None
+    assert plain.kept_text is None and plain.kept_text_content is None and plain.kept_text_gap_closed is None
     assert not any("kept text alone" in line for line in plain.lines())
 
 

@@ -171,6 +171,11 @@ class DistillReport:
     def gap_closed(self) -> float:
         return gap_closed(self.student, self.none)
 
+    @property
+    def kept_text_gap_closed(self) -> Optional[float]:
+        """The share of the gap the kept text alone closes (None: nothing kept)."""
+        return None if self.kept_text is None else gap_closed(self.kept_text, self.none)
+
     def lines(self) -> list[str]:
         s, n, rows = self.student, self.none, self.samples
         return [
@@ -194,13 +199,13 @@ class DistillReport:
         ]
 
     def _kept_text_lines(self) -> list[str]:
-        k = self.kept_text
+        k, gap = self.kept_text, self.kept_text_gap_closed
         if k is None:
             return []
         return [
-            f"  the kept text alone as the system prompt (no soft tokens): KL {k.kl:.4f}, gap closed "
-            f"{gap_closed(k, self.none):.1%}, first token {k.first_token:.0%}, first 16 tokens {k.first_16:.0%}: the "
-            f"soft tokens add {self.gap_closed - gap_closed(k, self.none):+.1%} of the gap"
+            f"  the kept text alone as the system prompt (no soft tokens): KL {k.kl:.4f}, gap closed {gap:.1%}, "
+            f"first token {k.first_token:.0%}, first 16 tokens {k.first_16:.0%}: the soft tokens add "
+            f"{self.gap_closed - gap:+.1%} of the gap"
         ]
 
     def _content_lines(self) -> list[str]:
@@ -253,7 +258,7 @@ class DistillReport:
             **(
                 {
                     "held_out_kl_kept_text_alone": round(self.kept_text.kl, 4),
-                    "held_out_gap_closed_kept_text_alone": round(gap_closed(self.kept_text, self.none), 4),
+                    "held_out_gap_closed_kept_text_alone": round(self.kept_text_gap_closed, 4),
                 }
                 if self.kept_text is not None
                 else {}
