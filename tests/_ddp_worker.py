@@ -3,6 +3,7 @@
 
 import argparse
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -47,12 +48,12 @@ def main() -> None:
         help="ddp_find_unused_parameters=False: safe, since the prompt gets a gradient from every forward",
     )
     parser.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing on")
+    parser.add_argument("--level", default="input", choices=("input", "kv"), help="the prompt's `prompt_level`")
     args = parser.parse_args()
 
     # Same seed on every rank: DDP also broadcasts rank 0's parameters, but an identical start keeps that honest.
-    model = get_peft_model(
-        tiny_gpt2(seed=0), SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, init_seed=0)
-    )
+    config = SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, init_seed=0, prompt_level=args.level)
+    model = get_peft_model(tiny_gpt2(seed=0), config)
     initial = model.base_model.prompt("default").detach().clone()
     training_args = TrainingArguments(
         output_dir=os.path.join(args.out, "trainer"),
@@ -92,3 +93,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The results are on disk and the process group is gone; exit without the interpreter's teardown, where a gloo
+    # thread still being joined can abort a rank ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -11,6 +11,7 @@ import argparse
 import datetime
 import functools
 import os
+import sys
 import traceback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,10 +33,14 @@ LR = 1e-2
 MODES = ("fsdp2", "fsdp1", "zero2", "zero3")
 
 
-def make_model(forward_path: str = "auto"):
+def make_model(forward_path: str = "auto", level: str = "input"):
     """The same seeded start on every rank and in the reference."""
     config = SoftPromptPlusConfig(
-        task_type="CAUSAL_LM", num_virtual_tokens=NUM_VIRTUAL_TOKENS, init_seed=0, forward_path=forward_path
+        task_type="CAUSAL_LM",
+        num_virtual_tokens=NUM_VIRTUAL_TOKENS,
+        init_seed=0,
+        forward_path=forward_path,
+        prompt_level=level,
     )
     return get_peft_model(tiny_gpt2(seed=0), config).train()
 
@@ -71,10 +76,10 @@ def loss_of(logits, ids, mask, global_mask, world_size: int) -> torch.Tensor:
     return total / global_mask[:, 1:].sum() * world_size
 
 
-def train_reference(steps: int = STEPS, forward_path: str = "auto"):
+def train_reference(steps: int = STEPS, forward_path: str = "auto", level: str = "input"):
     """One process, the whole global batch per step, same loop: `(model, [loss per step])`."""
     torch.manual_seed(0)
-    model = make_model(forward_path)
+    model = make_model(forward_path, level)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for ids, mask in batches(steps):
@@ -159,6 +164,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--forward-path", default="auto", choices=("auto", "shared_kv", "concat"))
+    parser.add_argument("--level", default="input", choices=("input", "kv"))
     args = parser.parse_args()
 
     timeout = datetime.timedelta(seconds=120)  # a rank left waiting on a collective fails instead of hanging
@@ -173,7 +179,7 @@ def main() -> None:
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
 
     torch.manual_seed(0)
-    model = make_model(args.forward_path)
+    model = make_model(args.forward_path, args.level)
     initial = model.base_model.prompt("default").detach().clone()
     wrapped, peft_model, optimizer = _shard(args.mode, model)
 
@@ -219,7 +225,7 @@ def main() -> None:
     )
     dist.barrier()
 
-    prompt_keys = [k for k in state_dict if "prompt" in k]
+    prompt_keys = [k for k in state_dict if "softprompt_plus_prompt" in k]
     gathered = state_dict[prompt_keys[0]].detach().to(torch.float32).clone() if prompt_keys else None
     torch.save(
         {
@@ -238,6 +244,7 @@ def main() -> None:
             "state_dict_size": len(state_dict),
             "prompt_keys": prompt_keys,
             "gathered": gathered,
+            "kernels": sorted(peft_model.base_model.forward_state.last_kernels),
         },
         os.path.join(args.out, f"rank{rank}.pt"),
     )
@@ -246,3 +253,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The results are on disk and the process group is gone; exit without the interpreter's teardown, where a gloo
+    # thread still being joined once aborted a rank ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -581,10 +581,10 @@ CASES = [
     ),
     # adapter management
     (
-        "set_adapter a list",
-        lambda w: w.model.set_adapter(["default"]),
+        "set_adapter a list of input adapters",
+        lambda w: w.model.set_adapter(["default", "default"]),
         ValueError,
-        ["`set_adapter`", "list", "adapter_names", "set_requires_grad"],
+        ["`set_adapter`", "['default', 'default']", "input", "only KV adapters", "prompt_level='kv'"],
     ),
     (
         "set_adapter unknown",

@@ -98,6 +98,10 @@ UPWARD = {
     ("method.tasks", "forward"),
     # Starting a prompt from a saved adapter reads it with the files layer's checked reader.
     ("method.prompt_init", "files"),
+    # A KV prompt's start is the input prompt its init names, run once through the frozen model; lifting or copying
+    # a saved adapter reads it with the files layer's checked reader.
+    ("method.kv_prompt", "forward"),
+    ("method.kv_prompt", "files"),
     # A call with gradients disabled is reported through the probe's one warning.
     ("forward.prompted", "gradients"),
     # The config's `peft_type` is the PeftType member that PEFT's registration defines.

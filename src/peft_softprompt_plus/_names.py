@@ -4,12 +4,18 @@ METHOD = "SOFTPROMPT_PLUS"  # the PeftType member and `peft_type` in adapter_con
 PREFIX = "softprompt_plus_"  # PEFT finds adapter parameters by this prefix in their names
 BANK = "prompt_bank"  # the tuner's SoftPromptBank; its prompts: `base_model.prompt_bank.softprompt_plus_prompt.<name>`
 SAVED_KEY = "base_model.softprompt_plus.prompt"  # the prompt's key in adapter_model.safetensors (every release)
-PROMPTS = "softprompt_plus_prompt"  # the bank's ParameterDict of prompts
+KV_SINCE = "0.3.0"  # the first release that reads a KV prompt (`prompt_level="kv"`)
+# A KV prompt's key. A release before KV_SINCE looks for SAVED_KEY only and lists the keys it found in its error, so
+# the key itself names the release that reads it.
+SAVED_KV_KEY = f"base_model.softprompt_plus.kv_prompt:requires peft-softprompt-plus>={KV_SINCE}"
+PROMPTS = "softprompt_plus_prompt"  # the bank's ParameterDict of prompts (a KV prompt: its trained positions)
+SINKS = "softprompt_plus_sink"  # the bank's ParameterDict of a KV prompt's frozen leading positions
 
 
-def prompt_key(adapter_name: str, bank: str = BANK) -> str:
-    """An adapter's prompt in a live model's state dict (`bank` the bank's path in it; its name alone as a suffix)."""
-    return f"{bank}.{PROMPTS}.{adapter_name}"
+def prompt_key(adapter_name: str, bank: str = BANK, table: str = PROMPTS) -> str:
+    """An adapter's prompt in a live model's state dict (`bank` the bank's path in it; its name alone as a suffix);
+    `table=SINKS` for a KV prompt's frozen positions."""
+    return f"{bank}.{table}.{adapter_name}"
 
 
 BASE_ROW = "__base__"  # `adapter_names` entry for a row without a prompt (PEFT's convention)

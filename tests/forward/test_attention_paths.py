@@ -108,3 +108,30 @@ def test_a_gpu_training_step_with_one_prompt_concatenates(family, monkeypatch):
     model.add_adapter("other", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=N))
     model(input_ids=ids, attention_mask=mask, adapter_names=["default", "other", "default"])
     assert "concat" not in state.last_kernels  # a mixed batch reads each row's prompt at the attention
+
+
+def test_on_a_gpu_only_a_training_step_concatenates(monkeypatch):
+    """`auto`'s GPU rule is for a training step: the model in training mode with gradients on. An eval forward
+    outside `no_grad` and every `generate` (which picks its path before transformers turns gradients off, even on a
+    model left in training mode) keep the attention; a KV prompt never concatenates."""
+    from peft_softprompt_plus.forward import generation, prompted
+
+    model, _ = _attach("llama")
+    model.add_adapter("kv", SoftPromptPlusConfig(num_virtual_tokens=N, prompt_level="kv"))
+    ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(prompted, "_on_gpu", lambda model: True)
+    concatenated = []
+    original = generation.generate_concat
+    monkeypatch.setattr(generation, "generate_concat", lambda *a: concatenated.append(a) or original(*a))
+    state = model.base_model.forward_state
+    model.train()(input_ids=ids, labels=ids)
+    assert state.last_kernels == {"concat"}  # the measured GPU rule still holds for training
+    model.eval()(input_ids=ids)  # gradients on, but not training
+    assert "concat" not in state.last_kernels
+    for mode in (model.train, model.eval):
+        mode()
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+    assert concatenated == []
+    model.set_adapter("kv")
+    model.train()(input_ids=ids, labels=ids)
+    assert "concat" not in state.last_kernels

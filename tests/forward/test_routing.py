@@ -156,8 +156,11 @@ def test_bad_adapter_names_are_refused(model, names, words):
 
 def test_a_name_that_is_not_a_string_is_refused(model):
     # PeftModel.forward hashes each name before the tuner sees them; the tuner itself names the entry.
-    with pytest.raises(ValueError, match=r"must hold adapter names \(str\), got \['a'\] \(list\)"):
-        model.base_model(input_ids=random_ids(3, 5), adapter_names=[["a"], "a", "a"])
+    with pytest.raises(ValueError, match=r"must hold adapter names \(str\), or lists .*got 3 \(int\)"):
+        model.base_model(input_ids=random_ids(3, 5), adapter_names=[3, "a", "a"])
+    # A list composes KV adapters only; these are input adapters.
+    with pytest.raises(ValueError, match=r"row 0 composes \['a', 'b'\].*input adapter.*only KV adapters"):
+        model(input_ids=random_ids(3, 5), adapter_names=[["a", "b"], "a", "a"])
 
 
 def test_mixed_rows_on_the_concat_path_are_refused(model):

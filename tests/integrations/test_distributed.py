@@ -33,13 +33,19 @@ def _accelerate(port: int) -> list[str]:
 
 
 LAUNCHERS = {"torchrun": _torchrun, "accelerate": _accelerate}
-# Trainer defaults on one launcher; on the other, the faster setting the docs recommend, with gradient checkpointing.
-WORKER_FLAGS = {"torchrun": [], "accelerate": ["--no-find-unused", "--checkpointing"]}
+# Trainer defaults on one launcher; on the other, the faster setting the docs recommend, with gradient checkpointing;
+# and a KV prompt under torchrun, with checkpointing.
+WORKER_FLAGS = {
+    "torchrun": [],
+    "accelerate": ["--no-find-unused", "--checkpointing"],
+    "torchrun-kv": ["--level", "kv", "--checkpointing"],
+}
 
 
 def _launch(launcher: str, out) -> list[dict]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = LAUNCHERS[launcher](_free_port()) + [WORKER, "--out", str(out), *WORKER_FLAGS[launcher]]
+    start = LAUNCHERS[launcher.split("-")[0]](_free_port())
+    cmd = start + [WORKER, "--out", str(out), *WORKER_FLAGS[launcher]]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, (
         f"{launcher} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -48,7 +54,7 @@ def _launch(launcher: str, out) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate", "torchrun-kv"])
 def test_two_ranks_end_with_bit_identical_trained_prompts(tmp_path, launcher):
     rank0, rank1 = _launch(launcher, tmp_path)
 
@@ -63,3 +69,4 @@ def test_two_ranks_end_with_bit_identical_trained_prompts(tmp_path, launcher):
     assert torch.equal(rank0["final"], rank1["final"])
     assert rank0["final"].dtype == torch.float32
     assert not torch.equal(rank0["final"], rank0["initial"])
+    assert rank0["final"].dim() == (5 if launcher.endswith("kv") else 2)  # a KV prompt's [layers, 2, Hkv, N-1, hd]

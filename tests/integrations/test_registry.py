@@ -102,6 +102,7 @@ PINNED_SIGNATURES = {
     "peft.mapping_func.get_peft_model": "model peft_config adapter_name mixed autocast_adapter_dtype revision "
     "low_cpu_mem_usage",
     "peft.get_peft_model": "model peft_config adapter_name mixed autocast_adapter_dtype revision low_cpu_mem_usage",
+    "peft.tuners.lora.variants.is_alora_relevant_in_batch": "model adapter_names",
 }
 _KIND_MARK = {inspect.Parameter.KEYWORD_ONLY: "*", inspect.Parameter.VAR_KEYWORD: "**"}
 

@@ -39,17 +39,17 @@ def _worker():
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(forward_path: str) -> dict:
+def _reference(forward_path: str, level: str = "input") -> dict:
     """One process, the same steps on the whole global batches."""
     worker = _worker()
-    model, losses = worker.train_reference(forward_path=forward_path)
+    model, losses = worker.train_reference(forward_path=forward_path, level=level)
     ids, mask = worker.eval_batch()
     with torch.no_grad():
         logits = model.eval()(input_ids=ids, attention_mask=mask).logits
     return {"prompt": model.base_model.prompt("default").detach().clone(), "losses": losses, "logits": logits}
 
 
-def _launch(mode: str, out, forward_path: str = "auto") -> list[dict]:
+def _launch(mode: str, out, forward_path: str = "auto", level: str = "input") -> list[dict]:
     env = dict(
         os.environ,
         HF_HUB_OFFLINE="1",
@@ -60,14 +60,17 @@ def _launch(mode: str, out, forward_path: str = "auto") -> list[dict]:
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           WORKER, "--mode", mode, "--out", str(out), "--forward-path", forward_path]  # fmt: skip
+           WORKER, "--mode", mode, "--out", str(out), "--forward-path", forward_path, "--level", level]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"{mode} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
-def _assert_trained_like_one_process(ranks: list[dict], forward_path: str) -> None:
-    reference = _reference(forward_path)
+SHAPES = {"input": (4, 64), "kv": (2, 2, 4, 3, 16)}  # a KV prompt's trained positions: N=4 after its sink
+
+
+def _assert_trained_like_one_process(ranks: list[dict], forward_path: str, level: str = "input") -> None:
+    reference = _reference(forward_path, level)
     for rank, state in enumerate(ranks):
         assert state["world_size"] == 2
         assert state["backend"] == "gloo"
@@ -81,7 +84,7 @@ def _assert_trained_like_one_process(ranks: list[dict], forward_path: str) -> No
     assert mean == pytest.approx(reference["losses"], rel=1e-6)
 
     gathered = ranks[0]["gathered"]
-    assert gathered is not None and gathered.shape == (4, 64) and gathered.dtype == torch.float32
+    assert gathered is not None and gathered.shape == SHAPES[level] and gathered.dtype == torch.float32
     assert not torch.equal(gathered, ranks[0]["initial"])
     torch.testing.assert_close(gathered, reference["prompt"], atol=ATOL, rtol=0)
 
@@ -97,8 +100,8 @@ def _assert_refused_without_writing(ranks: list[dict], out) -> None:
     assert not [p.name for p in out.iterdir() if "softprompt-plus-save" in p.name]  # no staging folder left behind
 
 
-def _assert_recipe_adapter_loads(ranks: list[dict], out, forward_path: str) -> None:
-    reference = _reference(forward_path)
+def _assert_recipe_adapter_loads(ranks: list[dict], out, forward_path: str, level: str = "input") -> None:
+    reference = _reference(forward_path, level)
     assert sorted(os.listdir(out / "recipe")) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     loaded = PeftModel.from_pretrained(tiny_gpt2(seed=0), out / "recipe")
     prompt = loaded.base_model.prompt("default").detach()
@@ -180,3 +183,17 @@ def test_deepspeed_zero3_trains_like_one_process_and_saves_through_the_recipe(tm
     _assert_refused_without_writing(ranks, tmp_path)
     assert "_zero3_consolidated_16bit_state_dict" in ranks[0]["direct_error"]["message"]
     _assert_recipe_adapter_loads(ranks, tmp_path, "auto")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fsdp2", "fsdp1"])
+def test_a_kv_prompt_trains_sharded_like_one_process_at_the_attention(tmp_path, mode):
+    """A KV prompt has no prompt pass, so FSDP2's copy of the forward keyword costs nothing: it stays at the
+    attention (an input prompt concatenates under FSDP2)."""
+    ranks = _launch(mode, tmp_path, "auto", "kv")
+    for state in ranks:
+        assert state["forward_error"] is None, state["forward_error"]["traceback"]
+        assert "concat" not in state["kernels"] and state["kernels"]
+    _assert_trained_like_one_process(ranks, "auto", "kv")
+    _assert_refused_without_writing(ranks, tmp_path)
+    _assert_recipe_adapter_loads(ranks, tmp_path, "auto", "kv")

@@ -17,7 +17,7 @@ from transformers import EarlyStoppingCallback, GPTNeoConfig, GPTNeoForCausalLM,
 
 import peft_softprompt_plus  # noqa: F401  (registers the method)
 from peft_softprompt_plus import SoftPromptPlusConfig
-from peft_softprompt_plus.apps.tiny import tiny_gpt2, tiny_tokenizer
+from peft_softprompt_plus.apps.tiny import tiny_family, tiny_gpt2, tiny_tokenizer
 from peft_softprompt_plus.forward import paths as forward_paths
 
 N = 4  # virtual tokens
@@ -67,7 +67,12 @@ def tiny_gpt_neo(seed: int = 0, vocab_size: Optional[int] = None) -> GPTNeoForCa
     return GPTNeoForCausalLM(config).eval()
 
 
-BASES = {"gpt2": tiny_gpt2, "gpt_neo": tiny_gpt_neo}
+def tiny_llama(seed: int = 0, vocab_size: Optional[int] = None):
+    """A `*ForCausalLM` class whose attention runs through the registry (GPT-Neo's doesn't: no KV prompt there)."""
+    return tiny_family("llama", vocab_size if vocab_size is not None else len(tiny_tokenizer()), seed=seed)
+
+
+BASES = {"gpt2": tiny_gpt2, "gpt_neo": tiny_gpt_neo, "llama": tiny_llama}
 
 # gpt_neo guards the token count: the Trainer counts `num_items_in_batch` over `labels[..., 1:]` for models whose
 # `loss_type` is ForCausalLM (not GPT2LMHeadModel's), but with a prompt label 0 is a target too (tasks.py renames it).
@@ -294,3 +299,41 @@ def test_example_trains_saves_and_reloads(tmp_path):
     assert report["final_loss"] < report["initial_loss"]
     assert set(load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))) == {SAVED_KEY}
     assert isinstance(report["sample"], str)
+
+
+@pytest.mark.parametrize("base", ["gpt2", "llama"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_kv_prompt_trains_with_the_loss_over_labels_one_on(tmp_path, tokenizer, base, accumulation):
+    """A KV prompt predicts no label 0, so the Trainer must count labels 1.. (`num_items_in_batch`): the logged loss of
+    a step is the mean cross-entropy over labels 1.. of its batches, gradient accumulation included."""
+    data = lm_dataset(tokenizer)
+    model = prompted(base=base, prompt_level="kv")
+    assert model.get_base_model().loss_type == "ForCausalLM"  # how the Trainer knows to count labels 1..
+    trainer = SpyingTrainer(
+        model=model,
+        args=args(
+            tmp_path,
+            max_steps=1,
+            learning_rate=0.0,
+            logging_steps=1,
+            per_device_train_batch_size=len(data) // accumulation,
+            gradient_accumulation_steps=accumulation,
+        ),
+        train_dataset=data,
+    )
+    trainer.train()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in trainer.batches:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            targets = batch["labels"][:, 1:]
+            total += torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+            ).item()
+            count += int((targets != -100).sum())
+    assert len(trainer.batches) == accumulation
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(total / count, abs=1e-5)
+    model.set_adapter("default")
+    model.add_adapter("input", SoftPromptPlusConfig(num_virtual_tokens=N))
+    model.set_adapter("input")
+    assert model.get_base_model().loss_type == "ForSoftPromptedCausalLM"  # an input prompt predicts label 0

@@ -410,3 +410,26 @@ def test_cuda_check_exits_with_a_message_without_cuda(monkeypatch, capsys):
         script.main([])
     assert exit_info.value.code == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ KV prompts
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16", "int8", "int4"])
+def test_a_kv_prompt_stays_float32_and_trains_on_every_base(tiny_model_dir, kind):
+    """The keys/values are cast to the base's dtype where the attention reads them; the leaf and its gradient stay
+    float32 (GradScaler's unscale refuses anything else), and the base is untouched."""
+    import bitsandbytes as bnb
+
+    try:
+        base = LOADERS[kind](tiny_model_dir)
+    except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
+        pytest.skip(f"bitsandbytes {bnb.__version__} can't load a {kind} model on this machine: {err}")
+    before = _base_snapshot(base)
+    model = get_peft_model(base, SoftPromptPlusConfig(num_virtual_tokens=N, prompt_level="kv", init_seed=0))
+    bank = model.base_model.prompt_bank
+    assert {p.dtype for p in bank.parameters()} == {torch.float32}
+    scaler = torch.amp.GradScaler("cpu") if kind == "fp16" else None
+    _assert_learns(_train(model, random_ids(2, 8), steps=3, scaler=scaler))
+    assert bank.sinks["default"].dtype == torch.float32
+    _assert_same_base(before, _base_snapshot(base))

@@ -64,6 +64,13 @@ class Front:
             config, prompt = read_adapter(folder)  # [N, D], checked as a SOFTPROMPT_PLUS adapter
         except (ValueError, OSError) as err:
             raise FrontError(400, str(err)) from err
+        if config.get("prompt_level") == "kv":
+            raise FrontError(
+                400,
+                f"adapter {name!r} ({folder}) is a KV prompt (prompt_level='kv'): vLLM takes a prompt as embeddings, "
+                "from which it computes every layer's keys itself, so this front can't serve one. Serve it with the "
+                "library's `generate`.",
+            )
         self._check_fits(name, folder, config, prompt.shape[-1])
         with self.lock:
             if self.model is None:

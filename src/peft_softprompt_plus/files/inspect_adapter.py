@@ -1,5 +1,6 @@
 """Read a saved soft-prompt adapter without building a model: its config, the prompt's norms, and for each virtual
-token the nearest vocabulary tokens (cosine similarity against the base model's input embedding matrix)."""
+token of an input prompt the nearest vocabulary tokens (cosine similarity against the base model's input embedding
+matrix); a KV prompt, which has no input vectors, gets its norms per position and per layer instead."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from huggingface_hub.errors import HFValidationError, RemoteEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
 from .._names import CONFIG_FILE, METHOD, WEIGHT_FILES
-from . import loading
+from . import reading
 
 
 @dataclass
@@ -36,6 +37,7 @@ class AdapterReport:
     tokenizer: Optional[str] = None
     vocab_mean_norm: Optional[float] = None
     notes: list[str] = field(default_factory=list)
+    layers: list[dict] = field(default_factory=list)  # a KV prompt's: mean key and value norm per layer
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,9 +48,15 @@ class AdapterReport:
         lines = [f"adapter: {self.adapter}", "config:"]
         lines += [f"  {key}: {json.dumps(value)}" for key, value in sorted(self.config.items())]
         vocab = f"; base vocabulary rows: mean {self.vocab_mean_norm:.4f}" if self.vocab_mean_norm is not None else ""
+        kind = " = [layers, 2 (key, value), key/value heads, N, head size]" if self.layers else ""
+        per = "position (every layer's keys and values)" if self.layers else "virtual token"
         lines += [
-            f"prompt: {self.shape} float32",
-            f"  L2 norm per virtual token: {stats}{vocab}",
+            f"prompt: {self.shape} float32{kind}",
+            f"  L2 norm per {per}: {stats}{vocab}",
+        ]
+        lines += [
+            f"  layer {i:>3}: key norm {layer['key']:.4f}, value norm {layer['value']:.4f}"
+            for i, layer in enumerate(self.layers)
         ]
         if self.base is not None:
             source = f"tokenizer {self.tokenizer}" if self.tokenizer else "no tokenizer found: token ids only"
@@ -104,14 +112,15 @@ def _resolve(adapter: str) -> tuple[str, str]:
 
 
 def read_adapter(adapter: str) -> tuple[dict, torch.Tensor]:
-    """The adapter's config dict and its float32 `[N, D]` prompt, validated as a SOFTPROMPT_PLUS adapter."""
+    """The adapter's config dict and its float32 prompt (`[N, D]`; a KV prompt's `[layers, 2, Hkv, N, hd]`),
+    validated as a SOFTPROMPT_PLUS adapter."""
     config_path, weights_path = _resolve(adapter)
-    config = loading.read_config(os.path.dirname(config_path))
+    config = reading.read_config(os.path.dirname(config_path))
     if config.get("peft_type") != METHOD:
         raise _not_an_adapter(adapter, f"is a {config.get('peft_type')!r} adapter, not {METHOD}")
-    prompt = loading.read_prompt(weights_path).float()  # [N, D]
+    prompt = reading.read_prompt(weights_path, reading.saved_key(config)).float()
     n = config.get("num_virtual_tokens")
-    if prompt.dim() != 2 or prompt.shape[0] != n:
+    if prompt.dim() != (5 if reading.is_kv(config) else 2) or prompt.shape[-2] != n:
         raise _not_an_adapter(
             adapter, f"has a prompt of shape {list(prompt.shape)}, but its config says num_virtual_tokens={n}"
         )
@@ -165,15 +174,23 @@ def inspect_adapter(adapter: str, base: Optional[str] = None, top_k: int = 5) ->
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"`top_k` must be a positive int, got {top_k!r}.")
     config, prompt = read_adapter(adapter)
+    rows = prompt.movedim(-2, 0).reshape(prompt.shape[-2], -1)  # [N, ...]: one row per position
     report = AdapterReport(
         adapter=adapter,
         config=config,
         shape=list(prompt.shape),
-        tokens=[VirtualToken(i, float(norm)) for i, norm in enumerate(prompt.norm(dim=-1))],
+        tokens=[VirtualToken(i, float(norm)) for i, norm in enumerate(rows.norm(dim=-1))],
     )
     bad = int((~torch.isfinite(prompt)).sum())
     if bad:
         report.notes.append(f"the prompt holds {bad} non-finite value(s) (NaN/inf): it can't load into a model.")
+    if reading.is_kv(config):
+        norms = prompt.norm(dim=-1).mean(dim=(-1, -2))  # [layers, 2]: mean over heads and positions
+        report.layers = [{"key": float(k), "value": float(v)} for k, v in norms.tolist()]
+        report.notes.append(
+            "a KV prompt holds each layer's keys and values, not input vectors: it has no nearest vocabulary tokens."
+        )
+        return report
     saved_base = config.get("base_model_name_or_path")
     base = base or next(iter(_local_dirs(saved_base)), None)
     if base is None:

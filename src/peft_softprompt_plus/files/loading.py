@@ -1,10 +1,11 @@
-"""Reading a saved adapter, with every way it can be broken named: a missing or damaged file, invalid JSON, an
-unknown `peft_type`, a prompt whose shape doesn't fit (virtual tokens told apart from hidden size), non-finite values.
-Checked before PEFT touches the base model, so a failed load hands the model back as it came."""
+"""Loading a saved adapter into a live model: its state dict under the live names (checked, a KV prompt split into
+its frozen and trained positions), a residual adapter's encoder read back to train on, and the base handed back as
+it came when a load fails. Reading and checking the files themselves is `reading.py`'s."""
 
 from __future__ import annotations
 
-import json
+import contextlib
+import contextvars
 import logging
 import os
 from typing import Optional
@@ -12,119 +13,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._names import BANK, CONFIG_FILE, ENCODER_FILE, METHOD, RAW_KEY, SAVED_KEY, WEIGHT_FILES, prompt_key
+from .._names import BANK, ENCODER_FILE, RAW_KEY, SAVED_KEY, SAVED_KV_KEY, SINKS, prompt_key
 from ..forward.state import BaseSettings
+from .reading import AdapterFileError, diagnose_kv, diagnose_prompt, missing_because
+
+__all__ = ["AdapterFileError"]  # its import path since 0.1
 
 logger = logging.getLogger(__name__)
-
-
-class AdapterFileError(ValueError):
-    """A saved adapter that can't be loaded; the message names the file, what is wrong, and the fix."""
-
-
-def read_config(folder: str) -> dict:
-    path = os.path.join(folder, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise AdapterFileError(
-            f"{folder!r} holds no {CONFIG_FILE}: it is not a saved adapter (or the save didn't finish). Pass the "
-            "folder that `save_pretrained` wrote."
-        )
-    try:
-        with open(path, encoding="utf-8") as handle:
-            config = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise AdapterFileError(f"{path!r} is not valid JSON ({err}). Restore it from the saved adapter.") from err
-    if not isinstance(config, dict):
-        raise AdapterFileError(f"{path!r} must hold a JSON object, got {type(config).__name__}.")
-    return config
-
-
-def check_peft_type(config: dict, folder: str) -> None:
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
-
-    peft_type = config.get("peft_type")
-    if peft_type not in {getattr(k, "value", k) for k in PEFT_TYPE_TO_CONFIG_MAPPING}:
-        raise AdapterFileError(
-            f"{os.path.join(folder, CONFIG_FILE)!r} has peft_type={peft_type!r}, which no PEFT method in this process "
-            f"handles. A softprompt-plus adapter has peft_type={METHOD!r}; for another library's method, import "
-            "that library first."
-        )
-
-
-def weights_file(folder: str) -> str:
-    for name in WEIGHT_FILES:
-        if os.path.isfile(os.path.join(folder, name)):
-            return os.path.join(folder, name)
-    raise AdapterFileError(
-        f"{folder!r} has {CONFIG_FILE} but none of {list(WEIGHT_FILES)}: the save didn't finish or the weights were "
-        "removed. Save the adapter again."
-    )
-
-
-def read_prompt(path: str) -> torch.Tensor:
-    """The saved `[N, D]` prompt in `path` (safetensors or a torch pickle)."""
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors import safe_open
-
-            with safe_open(path, framework="pt") as handle:
-                keys = list(handle.keys())
-                value = handle.get_tensor(SAVED_KEY) if SAVED_KEY in keys else None
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            keys, value = list(state), state.get(SAVED_KEY)
-    except Exception as err:  # noqa: BLE001 - any reader failure means a damaged file; say so with its cause
-        raise AdapterFileError(
-            f"{path!r} is damaged (truncated or not a weights file): {type(err).__name__}: {err}. Save the adapter "
-            "again, or copy the file over once more."
-        ) from err
-    if value is None:
-        raise AdapterFileError(
-            f"{path!r} holds no soft prompt (no tensor {SAVED_KEY!r}; found {sorted(keys)[:5]}): it is not a "
-            "softprompt-plus adapter."
-        )
-    return value
-
-
-def diagnose_prompt(value: torch.Tensor, expected: tuple[int, int], where: str) -> Optional[str]:
-    """Why `value` can't be a prompt of shape `expected` = (num_virtual_tokens, hidden size); None if it can."""
-    num, dim = expected
-    if value.dim() != 2:
-        return (
-            f"{where} holds a tensor of shape {list(value.shape)}; a soft prompt is [num_virtual_tokens, hidden size]."
-        )
-    if value.shape[0] != num:
-        return (
-            f"{where} holds {value.shape[0]} virtual tokens, but adapter_config.json says num_virtual_tokens={num}: "
-            "the config was edited or comes from another save. Restore the adapter_config.json saved with it."
-        )
-    if value.shape[1] != dim:
-        return (
-            f"{where} holds a prompt of hidden size {value.shape[1]}, but this base model's is {dim}: the adapter was "
-            "trained on another base. Load it into the base model it was trained on."
-        )
-    bad = int((~torch.isfinite(value)).sum())
-    if bad:
-        return (
-            f"{where} holds {bad} non-finite value(s) (NaN/inf) of {value.numel()}: the prompt diverged in training "
-            "or the file is damaged. Load an earlier checkpoint."
-        )
-    return None
-
-
-def check_folder(folder: str, base: Optional[nn.Module]) -> None:
-    """Raise `AdapterFileError` for a local softprompt-plus adapter folder that can't load into `base`."""
-    config = read_config(folder)
-    check_peft_type(config, folder)
-    if config.get("peft_type") != METHOD:
-        return
-    path = weights_file(folder)
-    value = read_prompt(path)
-    embedding = base.get_input_embeddings() if base is not None and hasattr(base, "get_input_embeddings") else None
-    dim = embedding.embedding_dim if isinstance(embedding, nn.Embedding) else value.shape[-1]
-    problem = diagnose_prompt(value, (config.get("num_virtual_tokens"), dim), repr(path))
-    if problem:
-        raise AdapterFileError(problem)
 
 
 class BaseState(BaseSettings):
@@ -139,6 +34,24 @@ class BaseState(BaseSettings):
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, module.original_module)
         super().restore(model)
+
+
+_LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar("softprompt_plus_loading", default=False)
+
+
+@contextlib.contextmanager
+def loading():
+    """While PEFT attaches an adapter whose weights it then loads from a folder: its starting values are never read,
+    so they are not computed (no tokenizer, no source folder, no prompt pass)."""
+    token = _LOADING.set(True)
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+
+
+def is_loading() -> bool:
+    return _LOADING.get()
 
 
 def loading_from(tuner, model_id, kwargs: dict):
@@ -165,21 +78,38 @@ def _source_file(source) -> Optional[str]:
 
 def remapped_for_load(tuner, bank_name: str, adapter_name: str, state_dict: dict) -> dict[str, torch.Tensor]:
     """A saved adapter's state dict under the live model's names (PEFT's `_remap_adapter_state_dict_for_load`),
-    checked: an AdapterFileError names what doesn't fit."""
+    checked: an AdapterFileError names what doesn't fit. A KV prompt's saved keys/values are split into its frozen
+    leading positions and the trained rest, as the bank holds them."""
     bank = getattr(tuner, BANK)
-    saved = [k for k in state_dict if k.endswith(SAVED_KEY)]
-    expected = tuple(bank.prompts[adapter_name].shape)
-    problems = [diagnose_prompt(state_dict[k], expected, "The saved adapter") for k in saved]
+    kv = tuner.peft_config[adapter_name].prompt_level == "kv"
+    key = SAVED_KV_KEY if kv else SAVED_KEY
+    saved = [k for k in state_dict if k.endswith(key)]
+    expected = tuple(bank.values(adapter_name).shape)
+    diagnose = (
+        (lambda v: diagnose_kv(v, expected, "The saved adapter"))
+        if kv
+        else (lambda v: diagnose_prompt(v, expected, "The saved adapter"))
+    )
+    problems = [diagnose(state_dict[k]) for k in saved]
     if not saved:
+        other = SAVED_KEY if kv else SAVED_KV_KEY
         problems.append(
-            f"The adapter weights hold no soft prompt (no key ending in {SAVED_KEY!r}; found "
-            f"{sorted(state_dict)[:5]}): it is not a softprompt-plus adapter."
+            f"The adapter weights hold no soft prompt (no key ending in {key!r}; found {sorted(state_dict)[:5]}): "
+            + (
+                missing_because(key, [other])
+                if any(k.endswith(other) for k in state_dict)
+                else "it is not a softprompt-plus adapter."
+            )
         )
     problem = next((p for p in problems if p), None)
     if problem:
         raise AdapterFileError(problem)
     remapped = {k: v for k, v in state_dict.items() if k not in saved}
-    remapped.update({prompt_key(adapter_name, bank_name): state_dict[k] for k in saved})
+    for k in saved:
+        value, frozen = state_dict[k], bank.sinks[adapter_name].shape[-2] if adapter_name in bank.sinks else 0
+        remapped[prompt_key(adapter_name, bank_name)] = value[..., frozen:, :]
+        if frozen:
+            remapped[prompt_key(adapter_name, bank_name, SINKS)] = value[..., :frozen, :]
     # Training on from a reparameterised adapter: the raw prompt and encoder saved beside the folded table.
     remapped.update(resume_state(tuner, bank_name, adapter_name))
     return remapped

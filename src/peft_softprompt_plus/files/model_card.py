@@ -72,8 +72,40 @@ def _drop_local_base_model(card: ModelCard, base_model: str) -> None:
     card.data["tags"] = [t for t in tags if not str(t).startswith("base_model:")]
 
 
-def _prompt_shape(peft_model) -> Optional[list[int]]:
-    return list(peft_model.base_model.prompt(peft_model.active_adapter).shape)
+def _prompt_shape(peft_model) -> list[int]:
+    """From the config and the model, not the tensors: under FSDP a rank holds a flat shard of them."""
+    config = peft_model.active_peft_config
+    if config.prompt_level == "kv":
+        base = config.kv_base or {}
+        return [base.get("layers"), 2, base.get("kv_heads"), config.num_virtual_tokens, base.get("head_dim")]
+    return [config.num_virtual_tokens, peft_model.get_base_model().get_input_embeddings().embedding_dim]
+
+
+# What the adapter is, per `prompt_level`.
+_WHAT = {
+    "input": (
+        "A soft prompt of {n} virtual tokens for a frozen `{base}`, at positions 0..N-1 before the text (after a "
+        "hard prefix, before a hard suffix, where the config has them). Where the model's attention runs through "
+        "transformers' attention registry, the prompt enters at the attention: its keys and values are computed in "
+        "a pass of their own and handed to every attention layer. Otherwise (`forward_path='concat'`, or families "
+        "such as Bloom and Falcon) it is concatenated in front of the text's embeddings."
+    ),
+    "kv": (
+        "A KV prompt for a frozen `{base}`: every attention layer's keys and values for {n} positions, trained "
+        "directly and read by every layer's attention in front of the text's, which starts at position "
+        "{start}. It predicts no text token 0: the loss runs over labels 1..."
+    ),
+}
+
+
+def _level_lines(config) -> list[str]:
+    if config.prompt_level != "kv":
+        return [f"- forward path: `{config.forward_path}`"]
+    return [
+        "- prompt level: `kv`",
+        f"- frozen leading positions (attention sink): {config.kv_frozen_positions}",
+        f"- text starts at position: {config.kv_text_start}",
+    ]
 
 
 def _section(peft_model, base_model: str, adapter_ref: str, for_hub: bool) -> list[str]:
@@ -86,15 +118,13 @@ def _section(peft_model, base_model: str, adapter_ref: str, for_hub: bool) -> li
     base_note = " (a local path: replace it with the Hub id of the same checkpoint)" if for_hub and local_base else ""
     metrics = getattr(peft_model, "softprompt_plus_metrics", None) or {}
     metric_lines = [f"  - {k}: {v}" for k, v in sorted(metrics.items())]
+    what = _WHAT[str(config.prompt_level)].format(
+        n=config.num_virtual_tokens, base=base_model, start=config.kv_text_start
+    )
     return [
         HEADING,
         "",
-        f"A soft prompt of {config.num_virtual_tokens} virtual tokens for a frozen `{base_model}`, at positions "
-        "0..N-1 before the text (after a hard prefix, before a hard suffix, where the config has them). Where the "
-        "model's attention runs through transformers' attention registry, the "
-        "prompt enters at the attention: its keys and values are computed in a pass of their own and handed to "
-        "every attention layer. Otherwise (`forward_path='concat'`, or families such as Bloom and Falcon) it is "
-        "concatenated in front of the text's embeddings.",
+        what,
         "",
         "- method: SOFTPROMPT_PLUS ([peft-softprompt-plus](https://pypi.org/project/peft-softprompt-plus/), a PEFT "
         "method registered from outside PEFT)",
@@ -104,7 +134,7 @@ def _section(peft_model, base_model: str, adapter_ref: str, for_hub: bool) -> li
         *_placement_lines(config),
         f"- prompt shape: {_prompt_shape(peft_model)} float32",
         f"- init: {init}",
-        f"- forward path: `{config.forward_path}`",
+        *_level_lines(config),
         *(["- training metrics:", *metric_lines] if metric_lines else []),
         "",
         "### How to load",
@@ -112,7 +142,8 @@ def _section(peft_model, base_model: str, adapter_ref: str, for_hub: bool) -> li
         "`pip install peft-softprompt-plus`, then:",
         "",
         usage_snippet(base_model, adapter_ref, task),
-        f"Inspect the prompt (norms, nearest vocabulary tokens): `softprompt-plus inspect {adapter_ref}`.",
+        f"Inspect the prompt (norms; an input prompt's nearest vocabulary tokens): `softprompt-plus inspect "
+        f"{adapter_ref}`.",
     ]
 
 

@@ -23,16 +23,16 @@ _AT_FDCWD = -100
 
 
 def full_prompt(value, num_virtual_tokens: int, adapter_name: str):
-    """The whole float32 `[N, D]` prompt for the saved file, or the recipe for gathering a sharded one: a shard never
-    reaches the disk as if it were the prompt."""
+    """The whole float32 prompt for the saved file (`[N, D]`, or a KV prompt's `[layers, 2, Hkv, N, hd]`), or the
+    recipe for gathering a sharded one: a shard never reaches the disk as if it were the prompt."""
     import torch
 
-    sharded = type(value).__name__ == "DTensor" or value.dim() != 2 or value.shape[0] != num_virtual_tokens
+    sharded = type(value).__name__ == "DTensor" or value.dim() not in (2, 5) or value.shape[-2] != num_virtual_tokens
     if sharded:
         local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's `.shape` is the global one
         raise ValueError(
             f"The prompt of adapter {adapter_name!r} is sharded on this process ({type(value).__name__} of local "
-            f"shape {list(local.shape)}, expected [{num_virtual_tokens}, hidden size]), so saving it would write a "
+            f"shape {list(local.shape)}, expected {num_virtual_tokens} positions), so saving it would write a "
             "shard. "
             "Gather the full state dict on every rank, then save it on one: with FSDP2, "
             "`sd = torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("

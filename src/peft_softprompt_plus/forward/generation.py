@@ -9,12 +9,13 @@ can't reach generate from `inputs_embeds` with the prompt in front.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Optional
 
 import torch
 from torch import nn
 
-from . import attention, semantics, validation
+from . import attention, kv_values, semantics, validation
 from . import paths as forward_paths
 from .prompt_kv import PromptKV
 
@@ -38,10 +39,16 @@ class PromptKVStore:
             self._entries[adapter] = (prompt.detach().clone(), computed)
         return computed
 
-    def stacked(self, adapters, model: nn.Module, prompts, rows):
-        """The stored passes of several adapters as one `(PromptKV, [A, D])`, read by `rows`."""
-        computed = [self.get(a, model, x) for a, x in zip(adapters, prompts, strict=True)]
-        return PromptKV.stack([kv for kv, _ in computed], rows), torch.cat([last for _, last in computed])
+    def stacked(self, adapters, model: nn.Module, row_prompts: forward_paths.RowPrompts, layout):
+        """The passes of several adapters as one `(PromptKV, [A, D] or None)`, read by `row_prompts.rows`: each input
+        prompt's stored pass, each KV prompt's stored keys/values."""
+        names, inputs = row_prompts.input_names(adapters), row_prompts.inputs()
+        computed = [self.get(a, model, x) for a, x in zip(names, inputs.prompts, strict=True)]
+        done = None
+        if computed:
+            lasts = torch.cat([last for _, last in computed])  # [A_in, D]
+            done = PromptKV.stack([kv for kv, _ in computed], row_prompts.rows), lasts
+        return kv_values.passes(model, row_prompts, 0, layout, done)
 
     def drop(self, adapter: Optional[str] = None) -> None:
         if adapter is None:
@@ -77,28 +84,44 @@ def _inputs(model: nn.Module, num_prompt: int, args: tuple, kwargs: dict):
     return input_ids, mask
 
 
+# The `generate` call in flight in this thread (or task): its model and its prompt's keys/values. Per call, so calls
+# on several threads at once each read their own prompt.
+_GENERATING: contextvars.ContextVar[Optional[tuple[nn.Module, PromptKV]]] = contextvars.ContextVar(
+    "softprompt_plus_generating", default=None
+)
+
+
+def _inject_prompt(module: nn.Module, args: tuple, kwargs: dict):
+    """The forward pre-hook `install_hook` puts on the model: inside this thread's `generate`, every forward reads the
+    prompt's keys/values; a decode step's queries follow the text its cache has seen (the cache holds the text alone).
+    A module-level function, so a model with the hook still pickles."""
+    current = _GENERATING.get()
+    if current is None or current[0] is not module:
+        return None
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    seen = cache.get_seq_length() if cache is not None else 0
+    return args, {**kwargs, attention.KWARG: current[1].at(int(seen), kwargs.get("position_ids"))}
+
+
+def install_hook(model: nn.Module):
+    """Once per attach: the hook that hands `generate`'s forwards the prompt (a handle to remove on unload)."""
+    return model.register_forward_pre_hook(_inject_prompt, with_kwargs=True)
+
+
 @contextlib.contextmanager
 def _prompt_at_attention(model: nn.Module, prompt_kv: PromptKV):
-    """While active, every forward of `model` reads the prompt's keys/values. A decode step's queries follow the text
-    its cache has seen (the cache holds the text alone)."""
-
-    def pre_hook(module, args, kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        seen = cache.get_seq_length() if cache is not None else 0
-        return args, {**kwargs, attention.KWARG: prompt_kv.at(int(seen), kwargs.get("position_ids"))}
-
-    handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    token = _GENERATING.set((model, prompt_kv))
     try:
         yield
     finally:
-        handle.remove()
+        _GENERATING.reset(token)
 
 
 def generate(model: nn.Module, prompt_kv: PromptKV, args: tuple, kwargs: dict):
     """Run `model.generate` as if the prompt behind `prompt_kv` preceded every row."""
     kwargs = dict(kwargs)
-    input_ids, mask = _inputs(model, int(prompt_kv.lengths.max()), args, kwargs)
-    offsets = prompt_kv.row_lengths(input_ids.shape[0], input_ids.device)  # [B] each row's prompt length
+    input_ids, mask = _inputs(model, int(prompt_kv.text_starts.max()), args, kwargs)
+    offsets = prompt_kv.row_starts(input_ids.shape[0], input_ids.device)  # [B] where each row's text starts
     with _prompt_at_attention(model, prompt_kv):
         return model.generate(
             input_ids=input_ids,

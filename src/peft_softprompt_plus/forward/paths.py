@@ -23,12 +23,15 @@ from .prompt_kv import PromptKV, gather_rows
 
 @dataclass
 class RowPrompts:
-    """The prompts of one forward: `prompts[a]` `[N_a, D]` (in the embedding dtype); `rows[b]` picks row b's prompt,
-    -1 for none. `rows=None`: every row reads prompt 0."""
+    """The prompts of one forward, in the embedding's dtype: an input prompt's `[N_a, D]` rows, or a KV prompt's
+    `[layers, 2, Hkv, N_a, hd]` keys/values (`kv[a]`, its text at `starts[a]`); `rows[b]` picks row b's prompt, -1 for
+    none. `rows=None`: every row reads prompt 0."""
 
     prompts: list[torch.Tensor]
     rows: Optional[torch.Tensor] = None  # [B]
     names: Optional[list[str]] = None  # each row's adapter name, for per-adapter heads (mixed batches only)
+    kv: Optional[list[bool]] = None  # which prompts are KV prompts (None: none)
+    text_starts: Optional[list[int]] = None  # where each prompt's text starts (None: at its length)
 
     def per_row(self, values: torch.Tensor, batch: int) -> torch.Tensor:
         """`[A, ...]` -> `[B, ...]`; rows without a prompt get row 0's values (callers mask them)."""
@@ -38,7 +41,26 @@ class RowPrompts:
         return torch.ones(batch, dtype=torch.bool, device=device) if self.rows is None else self.rows.to(device) >= 0
 
     def lengths(self, device) -> torch.Tensor:
-        return torch.tensor([p.shape[0] for p in self.prompts], device=device)  # [A]
+        return torch.tensor([p.shape[-2] for p in self.prompts], device=device)  # [A]
+
+    def starts(self, device) -> torch.Tensor:
+        return self.lengths(device) if self.text_starts is None else torch.tensor(self.text_starts, device=device)
+
+    def is_kv(self, device) -> torch.Tensor:
+        return torch.tensor(self.kv or [False] * len(self.prompts), dtype=torch.bool, device=device)  # [A]
+
+    def predicts_first(self, batch: int, device) -> torch.Tensor:
+        """`[B]`: the rows whose prompt's last position predicts text token 0 (an input prompt's; a KV prompt has no
+        last position, and a row without a prompt no prompt)."""
+        return self.has_prompt(batch, device) & ~self.per_row(self.is_kv(device), batch)
+
+    def inputs(self) -> "RowPrompts":
+        """The input prompts alone (the ones a prompt pass runs), in order."""
+        return RowPrompts(self.input_names(self.prompts))
+
+    def input_names(self, entries: list) -> list:
+        """The entries of `entries` (one per prompt) that belong to input prompts."""
+        return [e for e, kv in zip(entries, self.kv or [False] * len(self.prompts), strict=True) if not kv]
 
 
 @dataclass
@@ -123,24 +145,6 @@ def prompt_pass(model: nn.Module, row_prompts: RowPrompts, in_text: int) -> tupl
     return record.at(0), hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]  # [A, D]
 
 
-def attention_supported(model: nn.Module) -> bool:
-    """Whether `model`'s attention layers take the prompt through the registry (GPT-2, Llama...; not Bloom, Falcon)."""
-    embedding = model.get_input_embeddings()
-    probe = embedding.weight.new_zeros(1, embedding.embedding_dim)  # [1, D]
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        # Training mode: an eval-mode forward makes bitsandbytes repack 4-bit CPU weights into an inference-only form.
-        with torch.no_grad():
-            model.train()
-            prompt_pass(model, RowPrompts([probe]), in_text=0)
-    except (RuntimeError, TypeError, ValueError, NotImplementedError):
-        return False
-    finally:
-        for module, mode in modes:
-            module.training = mode
-    return True
-
-
 OUTSIDE_REGISTRY = "it computes attention outside transformers' attention registry"
 FSDP2_BLOCKS = "FSDP2 `fully_shard` wraps its blocks"
 
@@ -194,12 +198,14 @@ def attention_inputs(
     batch, length = text.shape[0], text.shape[1]
     mask = semantics.text_mask(attention_mask, batch, length, text.device)  # [B, L]
     has_prompt = row_prompts.has_prompt(batch, text.device)  # [B]
-    shared = (row_prompts.per_row(row_prompts.lengths(text.device), batch) - in_text) * has_prompt  # [B]
+    heads_ride = row_prompts.predicts_first(batch, text.device) if in_text else has_prompt  # [B]
+    starts = row_prompts.per_row(row_prompts.starts(text.device), batch)  # [B]
+    shared = (starts - in_text * heads_ride.long()) * has_prompt  # [B] prompt positions before the text pass
     kwargs: dict = {}
     prompt_last = None
     layers = _checkpointed_layers(model) if model.training and torch.is_grad_enabled() else []
     hand_back: Optional[tuple[list, list]] = None  # (leaf copies the layers read, the prompt pass's tensors)
-    if max(p.shape[0] for p in row_prompts.prompts) > in_text:
+    if max(p.shape[-2] for p in row_prompts.prompts) > in_text or any(row_prompts.kv or ()):
         prompt_kv, last = computed if computed is not None else prompt_pass(model, row_prompts, in_text)
         if layers and any(_reentrant(layer) for layer in layers):
             connected = [t for kv in prompt_kv.layers.values() for t in kv]
@@ -209,11 +215,14 @@ def attention_inputs(
         kwargs[attention.KWARG] = prompt_kv
         prompt_last = last if in_text == 0 else None
     if in_text:
-        heads = torch.stack([p[-1] for p in row_prompts.prompts])  # [A, D]
         embeds = _text_embeddings(model, input_ids, inputs_embeds)
+        # A KV prompt has no last position: its rows' head is a masked zero row, as a row without a prompt's is.
+        heads = torch.stack(
+            [embeds.new_zeros(embeds.shape[-1]) if p.dim() != 2 else p[-1] for p in row_prompts.prompts]
+        )
         head = row_prompts.per_row(heads.to(embeds.dtype), batch).unsqueeze(1)  # [B, 1, D]
         kwargs["inputs_embeds"] = torch.cat([head, embeds], dim=1)  # [B, 1+L, D]
-        text_mask = torch.cat([has_prompt.to(mask.dtype).unsqueeze(1), mask], dim=1)  # [B, 1+L]
+        text_mask = torch.cat([heads_ride.to(mask.dtype).unsqueeze(1), mask], dim=1)  # [B, 1+L]
     else:
         text_mask = mask
         if hand_back is not None or input_ids is None:

@@ -22,7 +22,8 @@ class PromptKV:
     `lengths[a]` real positions (the rest is padding no query reads). `rows[b]` is the prompt row `b` reads (-1: none);
     None means every row reads prompt 0. `query_offset` is the index of the first query in the text (decode steps);
     `positions` `[B, q]` are the queries' position ids, which count real tokens only (a sliding window measures the
-    prompt-to-text distance with them, so left padding never pushes the prompt out of a window).
+    prompt-to-text distance with them, so left padding never pushes the prompt out of a window). `starts[a]` is the
+    position the text takes after prompt `a` (None: its length; a KV prompt may record a later one).
     """
 
     lengths: torch.Tensor  # [A]
@@ -32,23 +33,48 @@ class PromptKV:
     layers: dict = field(default_factory=dict)
     positions: Optional[torch.Tensor] = None  # [B, q]
     kernels: set = field(default_factory=set)  # which attention ran, for the record: see `_attention_function`
+    starts: Optional[torch.Tensor] = None  # [A]
     _masks: dict = field(default_factory=dict)
 
     @classmethod
-    def stack(cls, single: list["PromptKV"], rows: Optional[torch.Tensor]) -> "PromptKV":
-        """One `PromptKV` over several one-prompt ones (right-padded to the longest), read by `rows`."""
-        if len(single) == 1:
-            return cls(single[0].lengths, rows, layers=single[0].layers)
-        width = max(kv.max_length for kv in single)
+    def stack(cls, parts: list["PromptKV"], rows: Optional[torch.Tensor]) -> "PromptKV":
+        """One `PromptKV` over several (right-padded to the longest), in order, read by `rows`."""
+        starts = torch.cat([kv.text_starts for kv in parts])  # [A]
+        if len(parts) == 1:
+            return cls(parts[0].lengths, rows, layers=parts[0].layers, starts=starts)
+        width = max(kv.max_length for kv in parts)
 
-        def padded(tensors):  # each [1, Hkv, N_a, hd] -> [A, Hkv, N, hd]
+        def padded(tensors):  # each [A_i, Hkv, N_i, hd] -> [A, Hkv, N, hd]
             return torch.cat([nn.functional.pad(t, (0, 0, 0, width - t.shape[2])) for t in tensors])
 
         layers = {
-            module: (padded([kv.layers[module][0] for kv in single]), padded([kv.layers[module][1] for kv in single]))
-            for module in single[0].layers
+            module: (padded([kv.layers[module][0] for kv in parts]), padded([kv.layers[module][1] for kv in parts]))
+            for module in parts[0].layers
         }
-        return cls(torch.cat([kv.lengths for kv in single]), rows, layers=layers)
+        return cls(torch.cat([kv.lengths for kv in parts]), rows, layers=layers, starts=starts)
+
+    def split(self) -> list["PromptKV"]:
+        """One `PromptKV` per prompt (views), to interleave with others in `stack`."""
+        return [
+            PromptKV(
+                self.lengths[a : a + 1],
+                layers={m: (k[a : a + 1], v[a : a + 1]) for m, (k, v) in self.layers.items()},
+                starts=self.text_starts[a : a + 1],
+            )
+            for a in range(self.lengths.shape[0])
+        ]
+
+    @property
+    def text_starts(self) -> torch.Tensor:
+        """`[A]` the position the text takes after each prompt."""
+        return self.lengths if self.starts is None else self.starts
+
+    def row_starts(self, batch: int, device) -> torch.Tensor:
+        """`[B]` the position each row's text starts at (0 for a row without a prompt)."""
+        starts = self.text_starts.to(device)
+        if self.rows is None:
+            return starts.expand(batch)
+        return torch.where(self.rows_mask(batch, device), self.for_rows(starts, batch), 0)
 
     def row_lengths(self, batch: int, device) -> torch.Tensor:
         """`[B]` prompt positions each row reads (0 for a row without a prompt)."""
@@ -59,8 +85,9 @@ class PromptKV:
 
     def at(self, query_offset: int, positions: Optional[torch.Tensor] = None) -> "PromptKV":
         """The same prompt keys/values for a forward whose first query sits at `query_offset` (a decode step), its
-        queries at `positions` `[B, q]`."""
-        return PromptKV(self.lengths, self.rows, False, query_offset, self.layers, positions, self.kernels)
+        queries at `positions` `[B, q]`, with a kernel record of its own (a stored pass serves calls on several
+        threads at once)."""
+        return PromptKV(self.lengths, self.rows, False, query_offset, self.layers, positions, starts=self.starts)
 
     def for_rows(self, tensor: torch.Tensor, batch: int) -> torch.Tensor:
         return gather_rows(tensor, self.rows, batch)

@@ -7,13 +7,13 @@ attributes."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Optional
 
 from torch import nn
 
-from . import attention
-from . import paths as forward_paths
+from . import attention, generation, kv_values
 from .generation import PromptKVStore
 
 
@@ -56,12 +56,27 @@ class ForwardState:
         self.base = BaseSettings.capture(model)  # as the model came: `unload()` hands this back
         self.kv_store = PromptKVStore()
         self.attention_path = False  # whether the prompt enters at the attention (else it is concatenated)
+        self.kv_layout: Optional[kv_values.KVLayout] = None  # the attention layers a prompt's keys/values go to
         self._own_attention: Optional[str] = self.base.attention
         self._before_prompting: Optional[BaseSettings] = None
-        self._call_adapter_names = None
+        self._generate_hook = None
+        self._per_call()
         self._grad_warning_due = True
         self._encoder_source: Optional[tuple] = None
-        self.last_kernels: frozenset = frozenset()  # which attention the last forward ran (`record_kernels`)
+
+    def _per_call(self) -> None:
+        # Per call, so threads calling one model at once never read each other's: context variables of this model's.
+        self._call_adapter_names = contextvars.ContextVar(f"adapter_names_{id(self)}", default=None)
+        self._last_kernels = contextvars.ContextVar(f"last_kernels_{id(self)}", default=frozenset())
+
+    def __getstate__(self) -> dict:
+        # `torch.save(model)` and `copy.deepcopy(model)` take the state; a context variable can't be copied, and the
+        # copy starts with no call in flight.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_call_adapter_names", "_last_kernels")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._per_call()
 
     # ------------------------------------------------------------------ prompting on and off
 
@@ -71,7 +86,9 @@ class ForwardState:
         task.on_attach(model)
         model.requires_grad_(False)
         self._own_attention = attention.install(model)
-        self.attention_path = forward_paths.attention_supported(model)
+        self.kv_layout = kv_values.probe_layout(model)
+        self.attention_path = self.kv_layout is not None
+        self._generate_hook = generation.install_hook(model)
         if not self.attention_path:
             attention.uninstall(model, self._own_attention)
             attention.log_once(
@@ -84,6 +101,9 @@ class ForwardState:
         attention.uninstall(model, self._own_attention)
         self.base.restore_loss(model)
         self.kv_store.drop()
+        if self._generate_hook is not None:
+            self._generate_hook.remove()
+            self._generate_hook = None
 
     def roll_back(self, model: nn.Module) -> None:
         """A failed first attach: as `stop`, and the `requires_grad` flags the model had before it."""
@@ -99,6 +119,21 @@ class ForwardState:
         """`disable_adapter()`: the model's own attention while it runs as the base model."""
         attention.uninstall(model, self._own_attention)
 
+    @contextlib.contextmanager
+    def own_attention(self, model: nn.Module, when: bool = True):
+        """A concatenated forward (`when`) runs the model's own attention: transformers' flash path for a model loaded
+        with flash_attention_2/3, its flex or Hub kernel. Ours would compute the same thing, but through our flash
+        wrapper (written for the prompt at the attention) or sdpa. sdpa and eager need no switch. While it runs, every
+        thread calling this model runs the model's own kernel too."""
+        switch = when and attention.is_installed(model.config) and self._own_attention not in ("sdpa", "eager", None)
+        if switch:
+            attention.uninstall(model, self._own_attention)
+        try:
+            yield
+        finally:
+            if switch:
+                attention.install(model)
+
     def ensure_attention(self, model: nn.Module) -> None:
         """Ours again when something switched it since attach (`set_attn_implementation`, a disabled adapter)."""
         if self.attention_path and not attention.is_installed(model.config):
@@ -108,21 +143,27 @@ class ForwardState:
 
     @contextlib.contextmanager
     def routing(self, adapter_names):
-        """PeftModel hands `adapter_names` to the tuner's hook and strips it from what reaches forward/generate."""
-        previous, self._call_adapter_names = self._call_adapter_names, adapter_names
+        """PeftModel hands `adapter_names` to the tuner's hook and strips it from what reaches forward/generate; kept
+        per thread (and asyncio task)."""
+        token = self._call_adapter_names.set(adapter_names)
         try:
             yield
         finally:
-            self._call_adapter_names = previous
+            self._call_adapter_names.reset(token)
 
     @property
     def adapter_names(self):
-        return self._call_adapter_names
+        return self._call_adapter_names.get()
 
     def record_kernels(self, prompt_kv) -> None:
         """Which attention the last forward ran (`last_kernels`): `sdpa_lower_right` (one prompt, no padding: no
         mask tensor), `sdpa_mask` / `eager_mask` (one explicit mask per forward, shared by the layers), or `concat`."""
-        self.last_kernels = frozenset(prompt_kv.kernels) if prompt_kv is not None else frozenset({"concat"})
+        self._last_kernels.set(frozenset(prompt_kv.kernels) if prompt_kv is not None else frozenset({"concat"}))
+
+    @property
+    def last_kernels(self) -> frozenset:
+        """Which attention the last forward of this thread ran (see `record_kernels`)."""
+        return self._last_kernels.get()
 
     # ------------------------------------------------------------------ the one grad_disabled warning
 

@@ -219,3 +219,37 @@ def check_attach(model: nn.Module, config, task) -> None:
             f"`task_type`={task_name(config.task_type)!r} needs a model with `.{task.head}`, got "
             f"{type(model).__name__}. Load the base with {task.auto_class}."
         )
+
+
+def kv_refused(model: nn.Module, config, layout) -> Optional[str]:
+    """Why `model` can't read a KV prompt (`prompt_level='kv'`), or None."""
+    name = type(model).__name__
+    if layout is None:
+        return (
+            f"`prompt_level`='kv' needs a model whose attention layers read keys/values through transformers' "
+            f"attention registry, and {name} ({getattr(model.config, 'model_type', '?')}) computes attention outside "
+            "it (Bloom and Falcon do): its prompt can only be concatenated in front of the text. Use "
+            "prompt_level='input' for this family."
+        )
+    why = layout.why_not()
+    if why:
+        return f"`prompt_level`='kv' can't be stored for {name}: {why}. Use prompt_level='input'."
+    start, n = config.kv_text_start, config.num_virtual_tokens
+    if start is not None and start != n and getattr(model.config, "sliding_window", None):
+        return (
+            f"`kv_text_start`={start} with num_virtual_tokens={n} on {name}, whose layers have a sliding window "
+            f"({model.config.sliding_window}): the window measures each key's distance from the text, and keys kept "
+            "at their own positions in a longer text have no single distance. Use kv_text_start=None (N) on this "
+            "model."
+        )
+    return None
+
+
+def check_kv_room(model: nn.Module, config) -> None:
+    """A KV prompt's text start must leave room for text."""
+    limit = semantics.max_positions(getattr(model, "config", None))
+    if limit is not None and config.kv_text_start >= limit:
+        raise ValueError(
+            f"`kv_text_start`={config.kv_text_start} leaves no room for text: {type(model).__name__} has {limit} "
+            "positions. Use fewer virtual tokens, or a smaller kv_text_start."
+        )

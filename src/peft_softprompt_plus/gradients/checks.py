@@ -95,11 +95,16 @@ def _zero_gradient(ev: Evidence) -> list[str]:
     for name, grad in ev.grads.items():
         if grad is None or not torch.isfinite(grad).all():
             continue
-        rows = grad.reshape(1 if name in ev.whole or not grad.dim() else grad.shape[0], -1)  # [N, D] for a prompt
+        kv = grad.dim() == 5 and name not in ev.whole  # a KV prompt `[layers, 2, Hkv, N, hd]`: judged per position
+        if kv:
+            rows = grad.movedim(-2, 0).reshape(grad.shape[-2], -1)  # [N, layers*2*Hkv*hd]
+        else:
+            rows = grad.reshape(1 if name in ev.whole or not grad.dim() else grad.shape[0], -1)  # [N, D] for a prompt
         zero = (rows == 0).all(dim=1).nonzero().flatten().tolist()
+        unit = "positions" if kv else "rows"
         if zero:
-            which = "all" if len(zero) == len(rows) else f"rows {zero[:8]}{'...' if len(zero) > 8 else ''} of"
-            out.append(f"The gradient reaches prompt `{name}` but is exactly zero in {which} its {len(rows)} rows.")
+            which = "all" if len(zero) == len(rows) else f"{unit} {zero[:8]}{'...' if len(zero) > 8 else ''} of"
+            out.append(f"The gradient reaches prompt `{name}` but is exactly zero in {which} its {len(rows)} {unit}.")
     return out
 
 

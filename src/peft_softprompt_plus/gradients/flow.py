@@ -154,12 +154,15 @@ def _undisturbed(model: nn.Module, grad_context):
 
 
 def _probe_batch(tuner, adapter_name: str) -> dict:
-    task = tuner.peft_config[adapter_name].task_type
+    config = tuner.peft_config[adapter_name]
     device = tuner.model.get_input_embeddings().weight.device
-    # One text token exercises every path; not the prefix's first token, which may be a BOS the text can't repeat.
-    token = 1 if (tuner.peft_config[adapter_name].prompt_prefix_ids or [None])[0] == 0 else 0
-    ids = torch.full((1, 1), token, dtype=torch.long, device=device)  # [1, 1]
-    labels = {"labels": ids} if task_of(task).token_labels else {}
+    token_labels = task_of(config.task_type).token_labels
+    # One text token exercises every path; not the prefix's first token, which may be a BOS the text can't repeat. A
+    # KV prompt predicts no text token 0, so its loss needs a second token, predicted by a query that reads it.
+    token = 1 if (config.prompt_prefix_ids or [None])[0] == 0 else 0
+    length = 2 if token_labels and config.prompt_level == "kv" else 1
+    ids = torch.full((1, length), token, dtype=torch.long, device=device)  # [1, length]
+    labels = {"labels": ids} if token_labels else {}
     return {"input_ids": ids, **labels}
 
 

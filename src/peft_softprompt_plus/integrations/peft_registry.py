@@ -12,12 +12,13 @@ from typing import Callable
 import peft
 import peft.mapping_func
 from peft import PeftModel
+from peft.tuners.lora import variants as lora_variants
 from peft.utils import register_peft_method
 from peft.utils.peft_types import PeftType
 from torch import nn
 
 from .._names import METHOD, PREFIX
-from ..files import hub, loading, model_card, saving
+from ..files import hub, loading, model_card, reading, saving
 from ..forward import attention, routing
 
 PEFT_CHECKED = "0.21.2"  # the PEFT release every patch below was written and tested against
@@ -106,13 +107,15 @@ def softprompt_plus_create_or_update_model_card(self, output_dir: str):
 
 
 def softprompt_plus_from_pretrained(cls, model, model_id, *args, **kwargs):
-    """A local adapter folder is checked before PEFT touches `model`; a failed load hands `model` back as it came."""
+    """A local adapter folder is checked before PEFT touches `model`; the adapter's starting values are not computed
+    (the load overwrites them); a failed load hands `model` back as it came."""
     folder = os.path.join(os.fspath(model_id), kwargs.get("subfolder") or "") if _is_path(model_id) else None
     if folder is not None and os.path.isdir(folder) and kwargs.get("config") is None:
-        loading.check_folder(folder, model)
+        reading.check_folder(folder, model)
     before = loading.BaseState.capture(model) if isinstance(model, nn.Module) else None
     try:
-        return _original(PeftModel, "from_pretrained")(cls, model, model_id, *args, **kwargs)
+        with loading.loading():
+            return _original(PeftModel, "from_pretrained")(cls, model, model_id, *args, **kwargs)
     except Exception:
         if before is not None and attention.is_installed(getattr(model, "config", None)):
             before.restore(model)
@@ -127,14 +130,24 @@ def softprompt_plus_load_adapter(self, model_id, adapter_name: str, *args, **kwa
         return load(self, model_id, adapter_name, *args, **kwargs)
     folder = os.path.join(os.fspath(model_id), kwargs.get("subfolder") or "") if _is_path(model_id) else None
     if folder is not None and os.path.isdir(folder):
-        loading.check_folder(folder, self.get_base_model())
-    with loading.loading_from(self.base_model, model_id, kwargs):
+        reading.check_folder(folder, self.get_base_model())
+    with loading.loading_from(self.base_model, model_id, kwargs), loading.loading():
         return load(self, model_id, adapter_name, *args, **kwargs)
 
 
 def softprompt_plus_set_adapter(self, adapter_name, *args, **kwargs):
-    """Ours: one existing name (PEFT's own message hides the adapter list; a list would be unhashable)."""
+    """Ours: one existing name (PEFT's own message hides the adapter list), or a list of KV adapters read composed
+    (PEFT's own would fail on a list: unhashable). PEFT's `active_adapter` names the first, so `active_peft_config`
+    still answers; the tuner holds the list."""
+    if _is_ours(self) and isinstance(adapter_name, (list, tuple)) and len(adapter_name) > 1:
+        kv = [name for name, config in self.peft_config.items() if config.prompt_level == "kv"]
+        routing.composition(list(adapter_name), list(self.peft_config), kv, "`set_adapter`")
+        self.base_model.set_adapter(list(adapter_name), *args, **kwargs)
+        self.active_adapter = adapter_name[0]
+        return None
     if _is_ours(self):
+        if isinstance(adapter_name, (list, tuple)) and len(adapter_name) == 1:
+            adapter_name = adapter_name[0]
         routing.check_adapter_name(adapter_name, list(self.peft_config), "set_adapter")
     return _original(PeftModel, "set_adapter")(self, adapter_name, *args, **kwargs)
 
@@ -154,6 +167,13 @@ def softprompt_plus_get_peft_model(model, peft_config, *args, **kwargs):
             f"Load it first, e.g. AutoModelForCausalLM.from_pretrained({model!r})."
         )
     return _original(peft.mapping_func, "get_peft_model")(model, peft_config, *args, **kwargs)
+
+
+def softprompt_plus_is_alora_relevant_in_batch(model, adapter_names=None):
+    """PEFT's own, over the entries that can name an aLoRA adapter: a row's composition of KV adapters (a list) is
+    unhashable, and PEFT looks every entry up in `peft_config` before the forward reaches the tuner."""
+    names = None if adapter_names is None else [name for name in adapter_names if isinstance(name, str)]
+    return _original(lora_variants, "is_alora_relevant_in_batch")(model, names)
 
 
 def _is_path(model_id) -> bool:
@@ -180,6 +200,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch(PeftModel, "delete_adapter", softprompt_plus_delete_adapter, "name errors that list the adapters"),
     Patch(peft.mapping_func, "get_peft_model", softprompt_plus_get_peft_model, "a clear error for a non-module"),
     Patch(peft, "get_peft_model", softprompt_plus_get_peft_model, "the same function, as `from peft import` sees it"),
+    Patch(
+        lora_variants,
+        "is_alora_relevant_in_batch",
+        softprompt_plus_is_alora_relevant_in_batch,
+        "a composition entry in `adapter_names` is a list",
+    ),
 )
 
 

@@ -50,6 +50,13 @@ def _adapter(tuner: SoftPromptPlusModel, adapter_name) -> str:
             "the model's output, and an engine fed embeddings runs the base model's own head. Serve it with this "
             "library (`model(input_ids=..., attention_mask=...)`)."
         )
+    if config.prompt_level == "kv":
+        raise ValueError(
+            f"`adapter_name`={adapter_name!r} is a KV prompt (prompt_level='kv'): every layer's keys and values, "
+            "while an engine fed embeddings computes each layer's keys itself from what it is given, so no embeddings "
+            "sequence reproduces it. Serve it with this library (`model.generate`, or `model(...)` per request); "
+            "`softprompt-plus serve` refuses KV adapters (vLLM would need a KV connector to take them)."
+        )
     if config.modules_to_save:
         raise ValueError(
             f"`adapter_name`={adapter_name!r} also trains `modules_to_save`={list(config.modules_to_save)}: those "

@@ -8,10 +8,17 @@ from typing import Optional
 from peft.config import PeftConfig
 
 from ..integrations.peft_registry import SOFTPROMPT_PLUS
-from .config_checks import CHECKS, CHOICES
-from .options import ForwardPath, PromptInit, Reparameterization, ValidateGradients
+from .config_checks import CHECKS, CHOICES, is_kv, kv_frozen_default
+from .options import ForwardPath, PromptInit, PromptLevel, Reparameterization, ValidateGradients
 
-__all__ = ["ForwardPath", "PromptInit", "Reparameterization", "SoftPromptPlusConfig", "ValidateGradients"]
+__all__ = [
+    "ForwardPath",
+    "PromptInit",
+    "PromptLevel",
+    "Reparameterization",
+    "SoftPromptPlusConfig",
+    "ValidateGradients",
+]
 
 
 @dataclass
@@ -30,6 +37,40 @@ class SoftPromptPlusConfig(PeftConfig):
 
     num_virtual_tokens: int = field(
         default=20, metadata={"help": "N, the number of virtual (soft prompt) tokens placed before the text."}
+    )
+    prompt_level: PromptLevel = field(
+        default=PromptLevel.INPUT,
+        metadata={
+            "help": "What is trained. `input`: N vectors in front of the text's embeddings, whose keys/values every "
+            "layer computes in a prompt pass. `kv`: every attention layer's keys and values for N positions "
+            "(per key/value head, float32, as the attention reads them), trained directly: no prompt pass, more "
+            "capacity, read only at the attention (docs/concepts.md). `prompt_init` keeps its meaning: the input "
+            "prompt it names, run once through the frozen model. A `kv` prompt predicts no text token 0 (the loss "
+            "runs over labels 1..), takes no hard prefix or suffix of its own and no reparameterization, and families "
+            "whose attention runs outside transformers' attention registry (Bloom, Falcon) refuse it."
+        },
+    )
+    kv_frozen_positions: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "`prompt_level='kv'`: how many leading positions stay frozen (the attention sink, as in PEFT's "
+            "CARTRIDGE and Cartridges). None: 1 (0 when N is 1). Must leave at least one position to train."
+        },
+    )
+    kv_text_start: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "`prompt_level='kv'`: the position the text's first token takes (>= N). None: N, or a lifted KV "
+            "adapter's own; filled at attach and saved. Larger when the N keys were selected from a longer text and "
+            "keep their own positions."
+        },
+    )
+    kv_base: Optional[dict] = field(
+        default=None,
+        metadata={
+            "help": "`prompt_level='kv'`: what the stored keys depend on (the model type, layers, key/value heads, "
+            "head size and rotary settings), recorded at attach and saved; a base that differs is refused."
+        },
     )
     prompt_init: PromptInit = field(
         default=PromptInit.VOCAB,
@@ -163,3 +204,6 @@ class SoftPromptPlusConfig(PeftConfig):
             raise ValueError(f"SoftPromptPlusConfig has {len(problems)} problems:\n- " + "\n- ".join(problems))
         for name, choice in CHOICES.items():
             setattr(self, name, choice(getattr(self, name)))  # the enum member (a str)
+        if is_kv(self) and self.kv_frozen_positions is None:
+            # Written into the saved config, so a later change of the default never changes a saved adapter.
+            self.kv_frozen_positions = kv_frozen_default(self.num_virtual_tokens)

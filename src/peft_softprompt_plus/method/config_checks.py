@@ -6,13 +6,14 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from . import placement
-from .options import ForwardPath, PromptInit, Reparameterization, ValidateGradients
+from .options import ForwardPath, PromptInit, PromptLevel, Reparameterization, ValidateGradients
 from .tasks import task_of
 
 Config = Any  # a SoftPromptPlusConfig: config.py imports this module, so the type is named, not imported
 
 
 CHOICES = {
+    "prompt_level": PromptLevel,
     "prompt_init": PromptInit,
     "reparameterization": Reparameterization,
     "validate_gradients": ValidateGradients,
@@ -137,6 +138,69 @@ def _chat_format(config: Config) -> Optional[str]:
     return None
 
 
+def is_kv(config: Config) -> bool:
+    return config.prompt_level == PromptLevel.KV.value
+
+
+_KV_FIELDS = ("kv_frozen_positions", "kv_text_start", "kv_base")
+# What a KV prompt can't take, with the way to get what the user meant.
+_NOT_FOR_KV = {
+    "forward_path": (
+        lambda c: c.forward_path == ForwardPath.CONCAT.value,
+        "a KV prompt enters at the attention only, never concatenated in front of the text. Use 'auto'",
+    ),
+    "reparameterization": (
+        lambda c: c.reparameterization != Reparameterization.NONE.value,
+        "the residual encoder maps embedding rows, and a KV prompt has none. Use 'none'",
+    ),
+    **{
+        name: (
+            lambda c, name=name: getattr(c, name) is not None,
+            "a KV prompt has no frozen hard text of its own (the keys of text after it depend on the trained ones). "
+            "Put the text in `prompt_init_text`, or lift an input adapter that has it (`prompt_init='adapter'` folds "
+            "its prefix and suffix in)",
+        )
+        for name in ("prompt_prefix", "prompt_suffix", "prompt_prefix_ids", "prompt_suffix_ids")
+    },
+}
+
+
+def _kv(c: Config) -> Optional[str]:
+    if not is_kv(c):
+        given = [name for name in _KV_FIELDS if getattr(c, name) is not None]
+        return (
+            f"{', '.join(f'`{n}`={getattr(c, n)!r}' for n in given)} only appl{'y' if len(given) > 1 else 'ies'} to "
+            f"`prompt_level='kv'`, got "
+            f"prompt_level={str(c.prompt_level)!r}. Set `prompt_level='kv'` or drop them."
+            if given
+            else None
+        )
+    problems = [
+        f"`{name}`={getattr(c, name)!r} can't be used with `prompt_level='kv'`: {why}."
+        for name, (refused, why) in _NOT_FOR_KV.items()
+        if refused(c)
+    ]
+    n, frozen, start = c.num_virtual_tokens, c.kv_frozen_positions, c.kv_text_start
+    if frozen is not None and not (_is_int(frozen) and _is_int(n) and 0 <= frozen < n):
+        problems.append(
+            f"`kv_frozen_positions` must be an int in [0, num_virtual_tokens) = [0, {n}), got {frozen!r}: at least "
+            "one position must train."
+        )
+    if start is not None and not (_is_int(start) and _is_int(n) and start >= n):
+        problems.append(
+            f"`kv_text_start` must be an int >= num_virtual_tokens ({n}), got {start!r}: the text starts after the "
+            "prompt's positions. Leave it None for N."
+        )
+    if c.kv_base is not None and not isinstance(c.kv_base, dict):
+        problems.append(f"`kv_base` must be a dict recorded at attach, or None, got {c.kv_base!r}.")
+    return " ".join(problems) or None
+
+
+def kv_frozen_default(num_virtual_tokens: int) -> int:
+    """The attention sink frozen by default: the first position, when another one is left to train."""
+    return 1 if num_virtual_tokens > 1 else 0
+
+
 CHECKS: tuple[Callable[[Config], Optional[str]], ...] = (
     _task,
     _num_virtual_tokens,
@@ -150,4 +214,5 @@ CHECKS: tuple[Callable[[Config], Optional[str]], ...] = (
     _init_seed,
     _modules_to_save,
     _chat_format,
+    _kv,
 )

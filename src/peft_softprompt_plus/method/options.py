@@ -12,6 +12,14 @@ class _Choice(str, enum.Enum):
     __format__ = str.__format__
 
 
+class PromptLevel(_Choice):
+    """What the trained parameters are (see docs/concepts.md): input vectors in front of the text's embeddings, or
+    each attention layer's keys and values for the prompt's positions."""
+
+    INPUT = "input"
+    KV = "kv"
+
+
 class PromptInit(_Choice):
     """How the prompt's `[N, D]` values are first filled (see `prompt_init.py`)."""
 

@@ -1,4 +1,6 @@
-"""`SoftPromptBank`: the module that owns every adapter's `[N, D]` prompt and keeps it a float32 leaf."""
+"""`SoftPromptBank`: the module that owns every adapter's prompt and keeps it a float32 leaf: an input prompt's
+`[N, D]` rows, or a KV prompt's `[layers, 2, Hkv, N, hd]` keys and values (its first positions, the attention sink,
+in a frozen tensor of their own). The positions are dimension -2 of both."""
 
 from __future__ import annotations
 
@@ -10,33 +12,53 @@ from torch import nn
 
 
 class SoftPromptBank(nn.Module, BaseTunerLayer):
-    """One float32 `[N, D]` parameter per adapter name, and for a reparameterised adapter its float32 encoder.
+    """One float32 prompt parameter per adapter name, for a reparameterised adapter its float32 encoder, and for a KV
+    prompt with frozen leading positions those positions (`sinks`).
 
     Being a `BaseTunerLayer` lets PEFT's own adapter bookkeeping (`set_adapter`, `disable_adapter`,
     `get_model_status`, `delete_adapter`) treat it like any tuner layer.
     """
 
     adapter_layer_names = ("softprompt_plus_prompt", "softprompt_plus_encoder")  # the prefix marks adapter weights
+    # Per adapter too, but never made trainable by PEFT's `set_adapter` (it sets every `adapter_layer_names` entry).
+    other_param_names = ("softprompt_plus_sink",)
 
     def __init__(self) -> None:
         super().__init__()
         self.softprompt_plus_prompt = nn.ParameterDict()
         self.softprompt_plus_encoder = nn.ModuleDict()
+        self.softprompt_plus_sink = nn.ParameterDict()
         self._active_adapter = []
         self._disable_adapters = False
         self.merged_adapters = []
 
-    def add(self, adapter_name: str, values: torch.Tensor, trainable: bool, encoder: Optional[nn.Module]) -> None:
+    def add(
+        self, adapter_name: str, values: torch.Tensor, trainable: bool, encoder: Optional[nn.Module], frozen: int = 0
+    ) -> None:
+        """`values` `[..., N, last]`; its first `frozen` positions are kept apart, frozen (a KV prompt's sink)."""
         # `clone` + float32: the prompt never aliases `wte` (whose steps would then edit the tied lm_head too).
-        self.prompts[adapter_name] = nn.Parameter(values.detach().to(torch.float32).clone(), requires_grad=trainable)
+        values = values.detach().to(torch.float32)
+        self.prompts[adapter_name] = nn.Parameter(values[..., frozen:, :].clone(), requires_grad=trainable)
+        if frozen:
+            self.sinks[adapter_name] = nn.Parameter(values[..., :frozen, :].clone(), requires_grad=False)
         if encoder is not None:
             self.encoders[adapter_name] = encoder.requires_grad_(trainable)
 
+    def drop(self, adapter_name: str) -> None:
+        """Everything held for `adapter_name` (a failed attach's half-added adapter)."""
+        for table in (self.prompts, self.encoders, self.sinks):
+            if adapter_name in table:
+                del table[adapter_name]
+
     def values(self, adapter_name: str) -> torch.Tensor:
-        """The `[N, D]` float32 prompt the model reads: the leaf, or its encoder's output while one is attached."""
+        """The float32 prompt the model reads: the leaf (after a KV prompt's frozen positions), or its encoder's
+        output while one is attached."""
         prompt = self.prompts[adapter_name]
         encoder = self.encoders[adapter_name] if adapter_name in self.encoders else None
-        return prompt if encoder is None else encoder(prompt)
+        prompt = prompt if encoder is None else encoder(prompt)
+        if adapter_name in self.sinks:
+            return torch.cat([self.sinks[adapter_name].to(prompt.device), prompt], dim=-2)  # [..., N, last]
+        return prompt
 
     def trainable(self, adapter_name: str) -> dict[str, torch.Tensor]:
         """Every tensor an optimizer trains for `adapter_name`: the prompt, then its encoder's parameters."""
@@ -62,6 +84,11 @@ class SoftPromptBank(nn.Module, BaseTunerLayer):
         return self.softprompt_plus_prompt
 
     @property
+    def sinks(self) -> nn.ParameterDict:
+        """adapter name -> a KV prompt's frozen leading positions `[layers, 2, Hkv, F, hd]` (absent when F is 0)."""
+        return self.softprompt_plus_sink
+
+    @property
     def encoders(self) -> nn.ModuleDict:
         """adapter name -> its float32 encoder (reparameterised adapters while they train)."""
         return self.softprompt_plus_encoder
@@ -74,7 +101,11 @@ class SoftPromptBank(nn.Module, BaseTunerLayer):
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device=None) -> None:
         # PEFT calls this after a `low_cpu_mem_usage` load; the bank has no base layer, and the prompt is moved to
         # the embedding's device at the point of use, so only the float32 invariant needs restating.
-        for param in self.trainable(adapter_name).values():
+        held = [
+            *self.trainable(adapter_name).values(),
+            *([self.sinks[adapter_name]] if adapter_name in self.sinks else []),
+        ]
+        for param in held:
             if param.dtype != torch.float32:
                 param.data = param.data.to(torch.float32)
 
@@ -91,6 +122,7 @@ class SoftPromptBank(nn.Module, BaseTunerLayer):
         return ", ".join(
             f"{name}: {list(p.shape)} {str(p.dtype).removeprefix('torch.')}"
             + (" (residual encoder)" if name in self.encoders else "")
+            + (f" (after {self.sinks[name].shape[-2]} frozen)" if name in self.sinks else "")
             for name, p in self.prompts.items()
         )
 

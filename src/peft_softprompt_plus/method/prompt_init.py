@@ -134,19 +134,24 @@ def _labels(config: Config, embedding: nn.Embedding, model_config) -> torch.Tens
 
 def _adapter(config: Config, embedding: nn.Embedding, model_config) -> torch.Tensor:
     """The soft rows of a saved adapter (transfer, SPoT-style); a longer N draws its extra rows as `vocab` does."""
-    from ..files import loading
+    from ..files import reading
 
     folder = config.prompt_init_adapter
     try:
-        saved = loading.read_config(folder)
-        loading.check_peft_type(saved, folder)
-        path = loading.weights_file(folder)
-        values = loading.read_prompt(path).float()
-    except loading.AdapterFileError as err:
+        saved, values = reading.read_adapter_values(folder)
+    except reading.AdapterFileError as err:
         raise ValueError(f"`prompt_init_adapter`={folder!r} can't start this prompt: {err}") from err
-    problem = loading.diagnose_prompt(values, (saved.get("num_virtual_tokens"), embedding.embedding_dim), repr(path))
-    if problem:
-        raise ValueError(f"`prompt_init_adapter`={folder!r} can't start this prompt: {problem}")
+    if reading.is_kv(saved):
+        raise ValueError(
+            f"`prompt_init_adapter`={folder!r} is a KV adapter (prompt_level='kv'): its keys/values can't start an "
+            "input prompt, which is made of input vectors. Start a KV prompt from it (prompt_level='kv')."
+        )
+    if values.shape[1] != embedding.embedding_dim:
+        raise ValueError(
+            f"`prompt_init_adapter`={folder!r} can't start this prompt: it holds a prompt of hidden size "
+            f"{values.shape[1]}, but this base model's is {embedding.embedding_dim}: the adapter was trained on "
+            "another base. Start from an adapter of this base."
+        )
     n, saved_n = config.num_virtual_tokens, values.shape[0]
     if saved_n > n:
         raise ValueError(
@@ -159,6 +164,13 @@ def _adapter(config: Config, embedding: nn.Embedding, model_config) -> torch.Ten
     rest = SimpleNamespace(num_virtual_tokens=n - saved_n, init_seed=config.init_seed)
     extra = _vocab(rest, embedding, model_config)  # [N - N_saved, D]
     return torch.cat([values, extra.to(values.device)])  # [N, D]
+
+
+def placeholder(config: Config, embedding: nn.Embedding, model_config=None) -> torch.Tensor:
+    """`[N, D]` values for an adapter being loaded, which the load overwrites: seeded noise at a word embedding's
+    scale, read by nothing but an attach probe."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    return torch.randn(config.num_virtual_tokens, embedding.embedding_dim, generator=generator) * 0.02
 
 
 INIT_STRATEGIES: dict[str, Callable[[Config, nn.Embedding, object], torch.Tensor]] = {

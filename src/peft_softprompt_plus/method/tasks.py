@@ -35,9 +35,22 @@ def _count_every_label(model: nn.Module) -> None:
     # the same loss, and the Trainer still counts every label: only ForCausalLMLoss itself makes it shift the labels.
     # Registered here, at attach, not at import; it stays registered afterwards (the same loss under another name).
     LOSS_MAPPING.setdefault(PROMPTED_CAUSAL_LM_LOSS, _prompted_causal_lm_loss)
+    _count_label_zero(model, True)
+
+
+def _count_label_zero(model: nn.Module, counted: bool) -> None:
+    """The Trainer counts `num_items_in_batch` by the `loss_type` it finds when it is built: every label under the
+    alias (an input prompt's last position predicts label 0), labels 1.. under ForCausalLM (a KV prompt has no last
+    position). A model whose loss is not transformers' causal-LM loss is left as it is."""
     loss_type = getattr(model, "loss_type", False)
-    if loss_type is None or LOSS_MAPPING.get(loss_type) is ForCausalLMLoss:
-        model.loss_type = PROMPTED_CAUSAL_LM_LOSS
+    if loss_type is None or LOSS_MAPPING.get(loss_type) in (ForCausalLMLoss, _prompted_causal_lm_loss):
+        model.loss_type = PROMPTED_CAUSAL_LM_LOSS if counted else "ForCausalLM"
+
+
+def count_label_zero(model: nn.Module, active_configs: list) -> None:
+    """After the active adapter changes: whether the Trainer counts label 0 (see `_count_label_zero`)."""
+    if active_configs and task_name(active_configs[0].task_type) == "CAUSAL_LM":
+        _count_label_zero(model, active_configs[0].prompt_level != "kv")
 
 
 def _strip(output, in_text: int, length: int):
@@ -79,13 +92,13 @@ def _first_token_term(model: nn.Module, batch: PromptedBatch, labels: torch.Tens
     rows = batch.row_prompts
     logits = model.get_output_embeddings()(batch.prompt_last)  # [A, V]
     first = rows.per_row(logits, labels.shape[0]).unsqueeze(1)  # [B, 1, V]
-    targets = labels[:, :1].masked_fill(~rows.has_prompt(labels.shape[0], labels.device)[:, None], IGNORE_INDEX)
+    targets = labels[:, :1].masked_fill(~rows.predicts_first(labels.shape[0], labels.device)[:, None], IGNORE_INDEX)
     return model.loss_function(first, None, first.shape[-1], num_items_in_batch=total, shift_labels=targets)
 
 
 def _first_of_unprompted(batch: PromptedBatch, labels: torch.Tensor) -> torch.Tensor:
-    """`[B, L]`: True at label 0 of each row that reads no prompt."""
-    unprompted = ~batch.row_prompts.has_prompt(labels.shape[0], labels.device)  # [B]
+    """`[B, L]`: True at label 0 of each row whose prompt doesn't predict it (no prompt, or a KV prompt)."""
+    unprompted = ~batch.row_prompts.predicts_first(labels.shape[0], labels.device)  # [B]
     first = torch.zeros_like(labels, dtype=torch.bool)
     first[:, 0] = unprompted
     return first
@@ -96,14 +109,14 @@ def _causal_lm(model: nn.Module, batch: PromptedBatch, labels: Optional[torch.Te
     # head see the labels. Text token 0 is predicted by the last prompt position: running in the text pass, or from the
     # prompt pass's output, once per prompt.
     if batch.prompt_last is None or labels is None:
-        if labels is not None and batch.in_text:  # a row without a prompt has nothing to predict its token 0
+        if labels is not None and batch.in_text:  # a row without an input prompt has nothing to predict its token 0
             labels = labels.masked_fill(_first_of_unprompted(batch, labels), IGNORE_INDEX)
         output = model(**batch.kwargs, labels=semantics.prefixed_labels(labels, batch.in_text), **kwargs)
         return _strip(output, batch.in_text, batch.mask.shape[1])
     kwargs = dict(kwargs)
     total = kwargs.pop("num_items_in_batch", None)
     if total is None:
-        total = semantics.targets(labels, batch.row_prompts.has_prompt(labels.shape[0], labels.device))
+        total = semantics.targets(labels, batch.row_prompts.predicts_first(labels.shape[0], labels.device))
     output = model(**batch.kwargs, labels=labels, num_items_in_batch=total, **kwargs)  # sum over tokens 1.. / total
     output.loss = output.loss + _first_token_term(model, batch, labels, total).to(output.loss.device)
     return output

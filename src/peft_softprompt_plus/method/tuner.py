@@ -15,17 +15,17 @@ from peft.utils import set_additional_trainable_modules
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from .._names import BANK, PREFIX, SAVED_KEY, encoder_state, prompt_key
+from .._names import BANK, PREFIX, SAVED_KEY, SAVED_KV_KEY, SINKS, encoder_state, prompt_key
 from ..files import loading, saving
 from ..forward import paths as forward_paths
 from ..forward import prompted, routing, validation
 from ..forward.state import ForwardState
 from ..gradients import flow as gradient_flow
-from . import placement, precision, reparam, tying
-from .config import ForwardPath
+from . import kv_prompt, placement, precision, reparam, tying
+from .config import ForwardPath, PromptLevel
 from .prompt_bank import LegacyBankView, SoftPromptBank
-from .prompt_init import initial_prompt
-from .tasks import task_of
+from .prompt_init import initial_prompt, placeholder
+from .tasks import count_label_zero, task_of
 
 
 class SoftPromptPlusModel(BaseTuner):
@@ -71,14 +71,20 @@ class SoftPromptPlusModel(BaseTuner):
             if config.forward_path == ForwardPath.SHARED_KV and not self.forward_state.attention_path:
                 raise forward_paths.shared_kv_refused(model, forward_paths.OUTSIDE_REGISTRY)
             embedding = model.get_input_embeddings()
-            placement.resolve(config, embedding)  # the hard prefix/suffix as ids, stored in the config
-            prefix, suffix = placement.hard_ids(config)
-            validation.check_placed_room(model, len(prefix), config.num_virtual_tokens, len(suffix))
-            values = initial_prompt(config, embedding, model.config)
+            if config.prompt_level == PromptLevel.KV:
+                values = kv_prompt.starting_values(config, model, self.forward_state.kv_layout, loading.is_loading())
+            else:
+                placement.resolve(config, embedding)  # the hard prefix/suffix as ids, stored in the config
+                prefix, suffix = placement.hard_ids(config)
+                validation.check_placed_room(model, len(prefix), config.num_virtual_tokens, len(suffix))
+                # A load overwrites the values: they need no tokenizer, no source folder.
+                values = (placeholder if loading.is_loading() else initial_prompt)(config, embedding, model.config)
             # An inference-mode adapter is a folded table (what save_pretrained writes): it needs no encoder.
             encoder = None if config.inference_mode else reparam.encoder_for(config, embedding)
-            self.prompt_bank.add(adapter_name, values.to(embedding.weight.device), trainable, encoder)
+            frozen = config.kv_frozen_positions or 0
+            self.prompt_bank.add(adapter_name, values.to(embedding.weight.device), trainable, encoder, frozen)
             self.prompt_bank._active_adapter = list(self.active_adapters)
+            count_label_zero(model, [self.peft_config[n] for n in self.active_adapters if n in self.peft_config])
             set_additional_trainable_modules(
                 model=model,
                 peft_config=config,
@@ -96,9 +102,7 @@ class SoftPromptPlusModel(BaseTuner):
 
     def _roll_back(self, model: nn.Module, adapter_name: str) -> None:
         """A failed attach leaves the base as it was: no half-added prompt, the `requires_grad` flags it had."""
-        for table in (self.prompt_bank.prompts, self.prompt_bank.encoders):
-            if adapter_name in table:
-                del table[adapter_name]
+        self.prompt_bank.drop(adapter_name)
         if not self.prompt_bank.prompts:
             self.forward_state.roll_back(model)
 
@@ -146,8 +150,13 @@ class SoftPromptPlusModel(BaseTuner):
         return None
 
     def set_adapter(self, adapter_name, inference_mode: bool = False) -> None:
+        """One adapter, or a list of KV adapters read composed by every row (each trains, unless `inference_mode`)."""
+        if not isinstance(adapter_name, str):
+            entry = routing.composition(list(adapter_name), list(self.peft_config), self._kv_names(), "`set_adapter`")
+            adapter_name = list(routing.names_of(entry))
         set_adapter(self, adapter_name, inference_mode=inference_mode, layer_cls=SoftPromptBank)
         self.active_adapter = adapter_name
+        count_label_zero(self.model, [self.peft_config[n] for n in self.active_adapters])
 
     def delete_adapter(self, adapter_name: str) -> None:
         routing.check_adapter_name(adapter_name, list(self.peft_config), "delete_adapter")
@@ -185,19 +194,34 @@ class SoftPromptPlusModel(BaseTuner):
 
     # ------------------------------------------------------------------ forward
 
-    def _active(self) -> Optional[str]:
+    def _active(self) -> Optional[routing.Entry]:
         if self.prompt_bank.disable_adapters or not self.active_adapters:
             return None
-        if len(self.active_adapters) > 1:
+        if len(self.active_adapters) > 1 and not set(self.active_adapters) <= set(self._kv_names()):
             raise ValueError(
-                f"Only one soft prompt can be active at a time, got active adapters {self.active_adapters}. "
-                "Call `model.set_adapter(name)`."
+                f"Only one soft prompt can be active at a time, got active adapters {self.active_adapters}; only KV "
+                "adapters compose. Call `model.set_adapter(name)`."
             )
-        return self.active_adapters[0]
+        active = tuple(self.active_adapters)
+        return active if len(active) > 1 else active[0]
+
+    def _kv_names(self) -> list[str]:
+        return [name for name, config in self.peft_config.items() if config.prompt_level == PromptLevel.KV]
+
+    def is_kv(self, entry: routing.Entry) -> bool:
+        """Whether `entry` (an adapter name, or a composition of KV adapters) reads keys/values, not input vectors."""
+        return self.peft_config[routing.names_of(entry)[0]].prompt_level == PromptLevel.KV
+
+    def text_start(self, entry: routing.Entry) -> int:
+        """The position the text takes after `entry`'s prompt: P+N+S for an input prompt, a KV prompt's recorded
+        `kv_text_start`, the sum of a composition's (each cache keeps its own positions)."""
+        configs = [self.peft_config[name] for name in routing.names_of(entry)]  # `kv_text_start` is filled at attach
+        return sum(c.kv_text_start for c in configs) if self.is_kv(entry) else placement.length(configs[0])
 
     def prompt(self, adapter_name: Optional[str] = None) -> nn.Parameter:
-        """The float32 `[N, D]` prompt of `adapter_name` (default: the active adapter): the leaf to optimize (with
-        `reparameterization='residual'`, the raw prompt its encoder reads; the encoder trains too)."""
+        """The float32 prompt of `adapter_name` (default: the active adapter), the leaf to optimize: `[N, D]` (with
+        `reparameterization='residual'`, the raw prompt its encoder reads; the encoder trains too), or a KV prompt's
+        trained `[layers, 2, Hkv, N - kv_frozen_positions, hd]` keys/values."""
         name = adapter_name if adapter_name is not None else next(iter(self.active_adapters), None)
         if not isinstance(name, str) or name not in self.prompt_bank.prompts:
             raise routing.unknown_adapter(name, list(self.prompt_bank.prompts), "prompt")
@@ -214,12 +238,19 @@ class SoftPromptPlusModel(BaseTuner):
         )
         return LegacyBankView(self.prompt_bank)
 
-    def prompt_for_use(self, adapter_name: str) -> torch.Tensor:
-        """The prompt the model reads: its hard prefix, the soft rows (the leaf, or its encoder's output) and its hard
-        suffix, cast to the embedding's dtype/device at the point of use: the soft rows' gradient stays float32."""
+    def prompt_for_use(self, adapter_name: routing.Entry) -> torch.Tensor:
+        """The prompt the model reads, cast to the embedding's dtype/device at the point of use, so the gradient of
+        the float32 leaf stays float32. An input prompt: its hard prefix, the soft rows (the leaf, or its encoder's
+        output) and its hard suffix, `[P+N+S, D]`. A KV prompt: its keys/values `[layers, 2, Hkv, N, hd]`; a
+        composition's concatenated in order along the positions."""
         embedding = self.model.get_input_embeddings()
-        soft = self.prompt_bank.values(adapter_name).to(device=embedding.weight.device, dtype=embedding.weight.dtype)
-        return placement.around(soft, embedding, self.peft_config[adapter_name])  # [P+N+S, D]
+        names = routing.names_of(adapter_name)
+        values = [
+            self.prompt_bank.values(n).to(device=embedding.weight.device, dtype=embedding.weight.dtype) for n in names
+        ]
+        if self.is_kv(adapter_name):
+            return values[0] if len(values) == 1 else torch.cat(values, dim=-2)  # [layers, 2, Hkv, N, hd]
+        return placement.around(values[0], embedding, self.peft_config[names[0]])  # [P+N+S, D]
 
     @contextlib.contextmanager
     def _enable_peft_forward_hooks(self, *args, **kwargs):
@@ -237,15 +268,25 @@ class SoftPromptPlusModel(BaseTuner):
 
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
-        suffix = prompt_key(adapter_name)
-        found = next((v for k, v in state_dict.items() if k.endswith(suffix)), None)
+        found = next((v for k, v in state_dict.items() if k.endswith(prompt_key(adapter_name))), None)
         if found is None:
             return {}
-        prompt = saving.full_prompt(found, config.num_virtual_tokens, adapter_name)
+        sink = next((v for k, v in state_dict.items() if k.endswith(prompt_key(adapter_name, table=SINKS))), None)
+        frozen = config.kv_frozen_positions or 0
+        prompt = saving.full_prompt(found, config.num_virtual_tokens - frozen, adapter_name)
+        if sink is not None:  # a KV prompt's frozen leading positions, saved with the rest as one tensor
+            prompt = torch.cat([saving.full_prompt(sink, frozen, adapter_name), prompt], dim=-2)
         encoder = encoder_state(state_dict, adapter_name)
         if encoder:  # the adapter is the folded table: loaders and serving engines see a plain prompt
             prompt = reparam.fold(prompt, encoder, config.residual_layer_norm)
-        return {SAVED_KEY: prompt}
+        return {SAVED_KV_KEY if config.prompt_level == PromptLevel.KV else SAVED_KEY: prompt}
+
+    @classmethod
+    def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
+        # The saved prompt's key holds no adapter name; PEFT's default would cut one that ends it ("... .prompt").
+        if key in (SAVED_KEY, SAVED_KV_KEY):
+            return key
+        return super()._remove_adapter_name_from_key(key, adapter_name)
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
