@@ -146,6 +146,23 @@ def peft_prompt(model, adapter_name: str = "default") -> nn.Parameter:
     return model.prompt_encoder[adapter_name].embedding.weight
 
 
+def peft_cartridge(base: nn.Module, values: torch.Tensor):
+    """PEFT CARTRIDGE holding our KV prompt's `[layers, 2, Hkv, N, hd]` values (its first position frozen, as ours)."""
+    from peft import CartridgeConfig
+
+    n = values.shape[3]
+    model = get_peft_model(base, CartridgeConfig(task_type="CAUSAL_LM", num_virtual_tokens=n, num_frozen_tokens=1))
+    model.prompt_encoder["default"].load_prompt_embeddings(values.detach().permute(3, 0, 1, 2, 4).reshape(n, -1))
+    return model
+
+
+def peft_prefix_tuning(base: nn.Module, n: int):
+    """PEFT PREFIX_TUNING, its defaults (no projection): a `[N, layers*2*D]` table served as past_key_values."""
+    from peft import PrefixTuningConfig
+
+    return get_peft_model(base, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=n))
+
+
 def train_step(model, ids: torch.Tensor, params: list[nn.Parameter], **forward) -> Callable[[], torch.Tensor]:
     """Forward with `labels=ids` and backward; the gradients are dropped (no optimizer, for every variant alike)."""
 
@@ -223,6 +240,9 @@ def ratio(times: dict[str, Timings], num: str, den: str) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------- report
 
 
+_COMPARE = {">=": float.__ge__, "<=": float.__le__, ">": float.__gt__, "<": float.__lt__}
+
+
 @dataclass
 class Row:
     """One line of a result table; `target` is None for context-only figures."""
@@ -238,7 +258,7 @@ class Row:
         if self.target is None:
             return ""
         op, bound = self.target.split()
-        return "PASS" if (self.value >= float(bound) if op == ">=" else self.value <= float(bound)) else "MISS"
+        return "PASS" if _COMPARE[op](self.value, float(bound)) else "MISS"
 
 
 def print_table(rows: list[Row]) -> None:

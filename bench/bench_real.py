@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per figure")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--kv-only", action="store_true", help="the KV arms only (KV, input, CARTRIDGE, prefix)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,10 +89,14 @@ def main() -> None:
     rows: list[c.Row] = []
     for checkpointing in (False, True):
         for n in (100,) if args.quick else (20, 100):
-            speed.bench_train(shape, n, checkpointing, reps, warmup, rows, TARGETS)
+            if not args.kv_only:
+                speed.bench_train(shape, n, checkpointing, reps, warmup, rows, TARGETS)
+            speed.bench_kv_train(shape, n, checkpointing, reps, warmup, rows)
     if not args.quick:
         print(f"\n{shape.name}: generate, {speed.GEN_PROMPTS} left-padded prompts x {speed.NEW_TOKENS} new tokens")
-        speed.bench_generate(shape, reps, warmup, rows, TARGETS)
+        if not args.kv_only:
+            speed.bench_generate(shape, reps, warmup, rows, TARGETS)
+        speed.bench_kv_generate(shape, reps, warmup, rows)
     c.print_table(rows)
     print(f"\nmachine at the end: {c.machine()}\ntotal {time.perf_counter() - start:.0f} s")
 

@@ -91,6 +91,78 @@ def bench_train(
         rows.append(c.Row(f"{tag}: step peak memory floor / PEFT (context)", peaks["floor"] / peaks["peft"]))
 
 
+# KV prompts (N=100, the tiny shape's targets): ours KV / floor; PEFT CARTRIDGE / ours KV; step peak memory ours KV
+# against ours input and against CARTRIDGE; generate ours KV / base.
+KV_OVER_FLOOR = "<= 1.10"
+KV_AGAINST_CARTRIDGE = ">= 0.95"
+KV_MEMORY = "< 1"
+
+
+def bench_kv_train(shape: c.Shape, n: int, checkpointing: bool, reps: int, warmup: int, rows: list[c.Row]) -> None:
+    """A KV prompt's step in one run with ours input, PEFT CARTRIDGE and PREFIX_TUNING (checkpointing off: PEFT
+    refuses it for both) and the floor; exactness against CARTRIDGE holding the same keys/values."""
+    tag = f"{shape.name} N={n} ckpt={'on' if checkpointing else 'off'} KV"
+    ids = shape.ids()
+    kv = c.ours(shape.base(checkpointing), n, prompt_level="kv").train()
+    leaf = kv.base_model.prompt("default")
+    models = {"kv": kv, "input": c.ours(shape.base(checkpointing), n).train()}
+    params = {"kv": [leaf], "input": [models["input"].base_model.prompt("default")]}
+    if not checkpointing:
+        models["cartridge"] = c.peft_cartridge(shape.base(), kv.base_model.prompt_bank.values("default")).train()
+        models["prefix"] = c.peft_prefix_tuning(shape.base(), n).train()
+        params["cartridge"] = [models["cartridge"].prompt_encoder["default"].trainable_embedding]
+        params["prefix"] = [p for p in models["prefix"].parameters() if p.requires_grad]
+        loss, ref_loss = kv(input_ids=ids, labels=ids).loss, models["cartridge"](input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref_loss.backward()
+        want = params["cartridge"][0].grad
+        grad_rel = ((leaf.grad.permute(3, 0, 1, 2, 4).reshape(want.shape) - want).norm() / want.norm()).item()
+        rows.append(
+            c.Row(f"{tag}: |loss ours - CARTRIDGE|", abs(loss.item() - ref_loss.item()), target=EXACT, fmt="{:.1e}")
+        )
+        rows.append(c.Row(f"{tag}: grad rel diff ours vs CARTRIDGE", grad_rel, target=EXACT, fmt="{:.1e}"))
+    floor = shape.base(checkpointing).train()
+    steps = {name: c.train_step(model, ids, params[name]) for name, model in models.items()}
+    steps["floor"] = c.floor_step(floor, ids)
+    times = c.interleaved(steps, reps, warmup)
+    for name, t in times.items():
+        print(f"  [{tag}] {name:<9} {t.line()}", flush=True)
+    at_target = n == 100 and shape.name == "tiny"
+    rows.append(
+        c.Row(
+            f"{tag}: train step ours KV / floor", *c.ratio(times, "kv", "floor"), KV_OVER_FLOOR if at_target else None
+        )
+    )
+    rows.append(c.Row(f"{tag}: train step ours input / ours KV (context)", *c.ratio(times, "input", "kv")))
+    for peft_arm in ("cartridge", "prefix"):
+        if peft_arm in times:
+            target = KV_AGAINST_CARTRIDGE if peft_arm == "cartridge" else None
+            rows.append(c.Row(f"{tag}: train step PEFT {peft_arm} / ours KV", *c.ratio(times, peft_arm, "kv"), target))
+    models["floor"] = floor
+    peaks = {name: mem.step_peak(steps[name], models[name]) for name in steps}
+    print("  [" + tag + "] step peak MB: " + ", ".join(f"{k} {v / c.MB:.1f}" for k, v in peaks.items()))
+    for other in ("input", "cartridge", "prefix"):
+        if other in peaks:
+            target = KV_MEMORY if other != "prefix" else None
+            ratio = peaks["kv"] / peaks[other]
+            rows.append(c.Row(f"{tag}: step peak memory ours KV / {other}", ratio, target=target, fmt="{:.4f}"))
+
+
+def bench_kv_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row], target: Optional[str] = GENERATE):
+    """`generate` with a KV prompt (N=100) against the base model, and against its lifted input prompt's tokens."""
+    ids, mask = _gen_inputs(shape)
+    base = shape.base().eval()
+    tag = f"{shape.name} N=100 KV generate {GEN_PROMPTS}x{NEW_TOKENS}"
+    model = c.ours(shape.base(), 100, prompt_level="kv").eval()
+    with torch.no_grad():
+        times = c.interleaved(
+            {"base": lambda: _greedy(base, ids, mask), "kv": lambda: _greedy(model, ids, mask)}, reps, warmup
+        )
+    for name, t in times.items():
+        print(f"  [{tag}] {name:<6} {t.line()}", flush=True)
+    rows.append(c.Row(f"{tag}: ours KV / base model", *c.ratio(times, "kv", "base"), target))
+
+
 def _gen_inputs(shape: c.Shape) -> tuple[torch.Tensor, torch.Tensor]:
     """8 prompts of 8-32 tokens, left-padded: `[8, T]` ids and mask."""
     gen = torch.Generator().manual_seed(2)
@@ -156,6 +228,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7, help="timed rounds, tiny shape")
     parser.add_argument("--small-reps", type=int, default=3, help="timed rounds, GPT-2-small shape")
     parser.add_argument("--only", choices=["tiny", "small"], default=None, help="one shape only")
+    parser.add_argument("--kv-only", action="store_true", help="the KV arms only (KV, input, CARTRIDGE, prefix)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,10 +245,15 @@ def main() -> None:
         print(f"\n{shape.describe()}; B={shape.batch}, L={shape.length}; median of {shape_reps} rounds", flush=True)
         for checkpointing in (False, True):
             for n in (20, 100):
-                bench_train(shape, n, checkpointing, shape_reps, shape_warmup, rows)
+                if not args.kv_only:
+                    bench_train(shape, n, checkpointing, shape_reps, shape_warmup, rows)
+                bench_kv_train(shape, n, checkpointing, shape_reps, shape_warmup, rows)
     if args.only in (None, "tiny"):
         print(f"\n{c.TINY.name}: generate, {GEN_PROMPTS} left-padded prompts x {NEW_TOKENS} new tokens, greedy")
-        bench_generate(c.TINY, *((3, 1) if args.quick else (15, 2)), rows)
+        gen_reps = (3, 1) if args.quick else (15, 2)
+        if not args.kv_only:
+            bench_generate(c.TINY, *gen_reps, rows)
+        bench_kv_generate(c.TINY, *gen_reps, rows)
     c.print_table(rows)
     print(f"\nmachine at the end: {c.machine()}\ntotal {time.perf_counter() - start:.0f} s")
 

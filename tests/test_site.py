@@ -51,15 +51,16 @@ def saved(tmp_path_factory):
     """A tiny base and a trained-looking adapter on disk, and the logits the library gives for them."""
     root = tmp_path_factory.mktemp("site")
     save_tiny(str(root / "base"))
-    model = get_peft_model(tiny_gpt2(), SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, init_seed=1))
-    model.save_pretrained(root / "adapter")
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "base"), root / "adapter")
-    with torch.no_grad():
-        logits = loaded(input_ids=torch.tensor([[5, 6, 7]])).logits
-    torch.save(logits, root / "expected.pt")
+    for folder, level in (("adapter", "input"), ("adapter_kv", "kv")):  # a KV prompt loads through the same hook
+        config = SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, init_seed=1, prompt_level=level)
+        get_peft_model(tiny_gpt2(), config).save_pretrained(root / folder)
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "base"), root / folder)
+        with torch.no_grad():
+            logits = loaded(input_ids=torch.tensor([[5, 6, 7]])).logits
+        torch.save(logits, root / f"expected_{folder}.pt")
     return root
 
 
@@ -72,10 +73,11 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 root = sys.argv[1]
-model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root + "/base"), root + "/adapter")
-with torch.no_grad():
-    logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits
-print("max diff", (logits - torch.load(root + "/expected.pt")).abs().max().item())
+for folder in ("adapter", "adapter_kv"):
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root + "/base"), root + "/" + folder)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits
+    print(folder, "max diff", (logits - torch.load(root + f"/expected_{folder}.pt")).abs().max().item())
 child = [sys.executable, "-c", "import sys; from peft import PeftConfig; "
          "print('child', PeftConfig.from_pretrained(sys.argv[1]).peft_type.value)", root + "/adapter"]
 print(subprocess.run(child, capture_output=True, text=True, check=True).stdout.strip())
@@ -96,7 +98,7 @@ def test_run_registers_in_the_program_and_the_processes_it_starts(saved, tmp_pat
 
     wrapped = _softprompt_plus_run(sys.executable, str(script), str(saved), env=_env())
     assert wrapped.returncode == 0, wrapped.stderr[-3000:]
-    assert "max diff 0.0" in wrapped.stdout
+    assert "adapter max diff 0.0" in wrapped.stdout and "adapter_kv max diff 0.0" in wrapped.stdout
     assert "child SOFTPROMPT_PLUS" in wrapped.stdout  # the child inherited the start-up hook
 
 

@@ -30,6 +30,8 @@ _PUBLIC = {  # name -> the module that defines it
     "student_inputs": "distill.data",
     "student_text": "distill.data",
     "prompt_embeds": "integrations.serving",
+    "to_cartridge": "files.cartridge",
+    "from_cartridge": "files.cartridge",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

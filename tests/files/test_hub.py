@@ -37,6 +37,7 @@ LOCAL_BASE_REPO = "user/softprompt-local-base"
 EMPTY_REPO = "user/not-an-adapter"
 NO_WEIGHTS_REPO = "user/config-only"
 EXAMPLE_REPO = "user/example"
+KV_REPO = "user/softprompt-kv"
 SAVED_KEY = "base_model.softprompt_plus.prompt"
 ADAPTER_FILES = ["README.md", "adapter_config.json", "adapter_model.safetensors"]
 
@@ -235,6 +236,18 @@ def test_inspect_reads_a_hub_repo(hub_run):
     assert len(report["tokens"]) == 4 and all(len(t["nearest"]) == 3 for t in report["tokens"])
 
 
+def test_a_kv_adapter_pushes_and_loads_bit_equal(hub_run):
+    record, hub, _ = hub_run
+    assert record["kv"]["error"] is None and record["kv"]["logits_equal"] is True
+    from safetensors.torch import load
+
+    from peft_softprompt_plus._names import SAVED_KV_KEY
+
+    assert set(load(hub.files(KV_REPO)["adapter_model.safetensors"])) == {SAVED_KV_KEY}
+    assert "A KV prompt for a frozen" in _card(hub, KV_REPO)
+    assert record["kv"]["inspect"]["shape"] == [2, 2, 4, 3, 16] and len(record["kv"]["inspect"]["layers"]) == 2
+
+
 def test_push_refuses_a_model_that_is_not_ours(make_base):
     from peft_softprompt_plus.files.hub import push_to_hub
 
@@ -416,6 +429,16 @@ def _client_side(work: Path, dead_endpoint: str) -> dict:
         return {"exit_code": code, "stdout": stdout.getvalue()}
 
     attempt("example", example)
+
+    def kv():
+        kv_model = get_peft_model(fresh_base(), SoftPromptPlusConfig(num_virtual_tokens=3, prompt_level="kv"))
+        push_to_hub(kv_model, KV_REPO)
+        loaded = PeftModel.from_pretrained(fresh_base(), KV_REPO)
+        with torch.no_grad():
+            same = torch.equal(loaded(input_ids=ids).logits, kv_model.eval()(input_ids=ids).logits)
+        return {"logits_equal": same, "inspect": inspect_adapter(KV_REPO).to_dict()}
+
+    attempt("kv", kv)
     record["incomplete_downloads"] = [str(p) for p in (work / "hf-home").rglob("*.incomplete")]
     return record
 

@@ -186,3 +186,45 @@ def test_the_model_card_says_it_is_a_kv_prompt(trained, tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert "A KV prompt for a frozen" in card and "- prompt level: `kv`" in card
     assert "- prompt shape: [2, 2, 2, 5, 16] float32" in card and "text starts at position: 5" in card
+
+
+# ------------------------------------------------------------------------------------------------ PEFT CARTRIDGE
+
+
+def test_a_kv_adapter_converts_to_a_cartridge_peft_loads_alone(trained, tmp_path):
+    from peft_softprompt_plus import to_cartridge
+
+    to_cartridge(trained, tmp_path / "cartridge")
+    config = json.loads((tmp_path / "cartridge" / "adapter_config.json").read_text())
+    assert (
+        config["peft_type"] == "CARTRIDGE" and config["num_virtual_tokens"] == 5 and config["num_frozen_tokens"] == 1
+    )
+    theirs = PeftModel.from_pretrained(base(), tmp_path / "cartridge").eval()
+    ids = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids).logits, trained(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"`adapter_name`='nope' must name a KV adapter"):
+        to_cartridge(trained, tmp_path / "x", adapter_name="nope")
+
+
+def test_a_peft_cartridge_converts_to_a_kv_adapter(tmp_path):
+    from peft import CartridgeConfig
+
+    from peft_softprompt_plus import from_cartridge
+
+    theirs = get_peft_model(base(), CartridgeConfig(task_type="CAUSAL_LM", num_virtual_tokens=6, num_frozen_tokens=2))
+    theirs.save_pretrained(tmp_path / "cartridge")  # PEFT's own save, its random start
+    ours = from_cartridge(base(), str(tmp_path / "cartridge")).eval()
+    assert ours.peft_config["default"].kv_frozen_positions == 2 and ours.base_model.prompt("default").shape[-2] == 4
+    ids = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(input_ids=ids).logits, theirs.eval()(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+        )
+    other = tiny_family("gpt2", VOCAB)
+    with pytest.raises(ValueError, match=r"this base's keys/values for 6 positions are \[2, 2, 4, 6, 16\]"):
+        from_cartridge(other, str(tmp_path / "cartridge"))
+    assert not any("softprompt" in n for n, _ in other.named_parameters())
+    with pytest.raises(ValueError, match=r"holds a 'SOFTPROMPT_PLUS' adapter, not a PEFT CARTRIDGE one"):
+        ours.save_pretrained(tmp_path / "ours")
+        from_cartridge(base(), str(tmp_path / "ours"))

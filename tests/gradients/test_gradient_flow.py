@@ -124,6 +124,35 @@ def test_probe_checks_every_prompt_row(make_base, make_peft):
     assert [f.code for f in err.value.findings] == ["zero_gradient"]
 
 
+def _drop_the_kv_keyword(module, args, kwargs):
+    return args, {k: v for k, v in kwargs.items() if k != "softprompt_plus_kv"}
+
+
+def test_a_kv_prompt_the_attention_never_reads_is_named(make_peft):
+    """A KV prompt has no embedding path: its only way in is the keyword each attention layer reads. A hook added
+    after attach that drops it (here, on every block) leaves the outputs without a graph; the finding and its fix
+    say so."""
+    model = make_peft(prompt_level="kv")
+    assert check_gradient_flow(model).ok
+    for block in model.get_base_model().transformer.h:
+        block.register_forward_pre_hook(_drop_the_kv_keyword, with_kwargs=True)
+    report = check_gradient_flow(model)
+    assert [f.code for f in report.findings] == ["unreachable"]
+    assert "for a KV prompt, no attention layer reads the keys/values handed to it" in report.findings[0].message
+    assert "`softprompt_plus_kv`" in report.findings[0].fix
+
+
+def test_a_kv_prompt_is_judged_per_position():
+    """Keys outside every query's sliding window (8) get no gradient; the probe names those positions."""
+    from peft import get_peft_model
+
+    from peft_softprompt_plus.apps.tiny import tiny_family
+
+    config = SoftPromptPlusConfig(num_virtual_tokens=12, prompt_level="kv", kv_frozen_positions=0)
+    with pytest.raises(GradientFlowError, match=r"exactly zero in positions \[0, 1, 2, 3, 4\] of its 12 positions"):
+        get_peft_model(tiny_family("mistral", 300), config)
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_probe_under_gradient_checkpointing_leaves_no_grad(make_base, make_peft, reentrant):
     # Reentrant checkpointing refuses `torch.autograd.grad`; the probe falls back to backward() and restores `.grad`.

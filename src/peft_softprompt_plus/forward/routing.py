@@ -41,12 +41,12 @@ def composition(names, known: Sequence[str], kv: Sequence[str], where: str) -> E
         )
     if len(names) == 1:
         return names[0]
-    inputs = [n for n in names if n not in kv]
+    inputs = list(dict.fromkeys(n for n in names if n not in kv))
     if inputs:
+        what = "is an input adapter" if len(inputs) == 1 else "are input adapters"
         raise ValueError(
-            f"{where} composes {list(names)!r}, but {inputs} {'is an input' if len(inputs) == 1 else 'are input'} "
-            "adapter(s): only KV adapters (`prompt_level='kv'`) compose, each cache keeping its own positions. Route "
-            "input adapters one per row."
+            f"{where} composes {list(names)!r}, but {inputs} {what}: only KV adapters (`prompt_level='kv'`) compose, "
+            "each cache keeping its own positions. Route input adapters one per row."
         )
     return tuple(names)
 

@@ -70,7 +70,8 @@ def _loss_without_graph(ev: Evidence) -> list[str]:
 
 _WHERE = {  # keyed on "did the model's outputs carry a graph" (None: not seen, as in the Trainer callback)
     False: "the model's outputs carry no autograd graph at all: the model never uses the prompt (it ignores "
-    "`inputs_embeds`, or the prompt is not passed in), or runs it without autograd",
+    "`inputs_embeds`; for a KV prompt, no attention layer reads the keys/values handed to it; or the prompt is not "
+    "passed in), or runs it without autograd",
     True: "the loss has a graph, but no path in it leads to the prompt: a `.detach()`, `.data`, a `torch.no_grad()` "
     "region or a hook returning a detached tensor cuts it, or the model never uses the prompt",
     None: "its `.grad` was still None at the optimizer step",
@@ -220,8 +221,10 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "unreachable",
         _unreachable,
-        "Feed the prompt in as `inputs_embeds` (or through the cache) of a forward that uses it; remove "
-        "`.detach()`, `.data`, `torch.no_grad()` or detaching hooks on the path. See docs/gradient-flow.md.",
+        "Feed the prompt in as `inputs_embeds` (or through the cache) of a forward that uses it; a KV prompt reaches "
+        "every attention layer through the forward keyword `softprompt_plus_kv`, which a hook or wrapper must pass "
+        "on; remove `.detach()`, `.data`, `torch.no_grad()` or detaching hooks on the path. See "
+        "docs/gradient-flow.md.",
     ),
     Check(
         "zero_gradient",

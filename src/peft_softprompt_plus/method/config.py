@@ -169,7 +169,8 @@ class SoftPromptPlusConfig(PeftConfig):
             "help": "`shared_kv` runs the prompt once per forward and hands its keys/values to every attention "
             "layer (gradient checkpointing on or off); `concat` concatenates the prompt to every row; `auto` takes "
             "shared_kv where the model's attention runs through transformers' attention registry, else concat, and "
-            "concat for a training step with one prompt on a GPU (faster there: bench/RESULTS.md)."
+            "concat for a training step (training mode, gradients on) with one input prompt on a GPU (faster there: "
+            "bench/RESULTS.md), never for an eval forward, `generate` or a KV prompt."
         },
     )
     chat_format: Optional[str] = field(
