@@ -6,6 +6,7 @@ Method, pass criteria and commands: bench/README.md.
 
     python bench/cuda_check.py                         # on a GPU: the attention table (~6 min), then precision
     python bench/cuda_check.py --part attention        # the attention part alone
+    python bench/cuda_check.py --part kv               # KV prompts against the floor, input and CARTRIDGE (<= 4 min)
     python bench/cuda_check.py --device cpu --quick    # a smoke test of the script itself, on the CPU
 """
 
@@ -146,9 +147,9 @@ def _parse(argv: Optional[list]) -> argparse.Namespace:
     parser.add_argument("--only", nargs="*", default=None, help=f"subset of {list(RECIPES)}")
     parser.add_argument(
         "--part",
-        choices=["all", "precision", "attention", "profile"],
+        choices=["all", "precision", "attention", "profile", "kv"],
         default="all",
-        help="which checks (default: all; `profile` prints where a step's GPU time goes)",
+        help="which checks (default: all; `profile` prints where a step's GPU time goes; `kv`: KV prompts, <= 4 min)",
     )
     parser.add_argument("--seconds", type=float, default=330, help="time budget of the attention speed table")
     parser.add_argument("--reps", type=int, default=5, help="timed steps per variant (median)")
@@ -179,6 +180,13 @@ def main(argv: Optional[list] = None) -> int:
         else:
             _cuda_attention.profile()
         return 0
+    if args.part == "kv":
+        import _cuda_attention
+        import _cuda_kv
+
+        if device.type == "cpu":
+            _cuda_attention.smoke_on_cpu()
+        return _cuda_kv.run(min(args.seconds, 200), args.reps)
     if args.part in ("all", "attention"):
         import _cuda_attention
 

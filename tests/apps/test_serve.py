@@ -88,11 +88,13 @@ def fake_vllm(record: list, refuse_embeds: bool = False) -> FastAPI:
     return app
 
 
-def _adapter(base_dir, folder, seed: int, chat_format=None, **overrides):
+def _adapter(base_dir, folder, seed: int, chat_format=None, prompt_level="input", **overrides):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, chat_format=chat_format)
+    config = SoftPromptPlusConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=4, chat_format=chat_format, prompt_level=prompt_level
+    )
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, **overrides), config)
     model.save_pretrained(folder)
     return folder
@@ -205,6 +207,10 @@ def test_refusals_name_what_is_wrong(stack):
     wide = _adapter(other, str(stack["root"] / "tiny-base-wide-adapter"), 6)
     refused = httpx.put(f"{url}/v1/adapters/wide", json={"path": wide})
     assert refused.status_code == 400 and "trained on" in refused.json()["error"]["message"]
+    # A KV prompt: vLLM takes embeddings, from which it computes every layer's keys itself.
+    kv = _adapter(stack["base"], str(stack["root"] / "kv-adapter"), 7, prompt_level="kv")
+    refused = httpx.put(f"{url}/v1/adapters/kv", json={"path": kv})
+    assert refused.status_code == 400 and "is a KV prompt (prompt_level='kv')" in refused.json()["error"]["message"]
     assert sorted(stack["front"].adapters) == ["plain", "student"]
 
 

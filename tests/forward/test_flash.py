@@ -204,3 +204,27 @@ def test_a_concatenated_forward_runs_transformers_own_flash(flash_attn, monkeypa
     reference = get_peft_model(tiny_family("llama", VOCAB), SoftPromptPlusConfig(num_virtual_tokens=N, init_seed=0))
     with torch.no_grad():
         torch.testing.assert_close(got, reference(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kv_prompt_on_a_flash_model_reads_through_our_sdpa(flash_attn, caplog):
+    """A KV prompt can't concatenate (transformers' own flash), and our flash path is checked on this stand-in only:
+    from the first KV adapter on, the model reads every prompt through our sdpa, and says so once."""
+    from peft_softprompt_plus.forward import attention
+
+    model = _flash_model("llama")
+    assert model.config._attn_implementation == "softprompt_plus_fa2"
+    attention.log_once.cache_clear()  # it logs once per process
+    with caplog.at_level("WARNING"):
+        model.add_adapter("kv", SoftPromptPlusConfig(num_virtual_tokens=N, prompt_level="kv", init_seed=0))
+    assert model.config._attn_implementation == "softprompt_plus_sdpa"
+    assert "reads its keys/values through our sdpa" in caplog.text
+    reference = get_peft_model(tiny_family("llama", VOCAB), SoftPromptPlusConfig(num_virtual_tokens=N, init_seed=0))
+    reference.add_adapter("kv", SoftPromptPlusConfig(num_virtual_tokens=N, prompt_level="kv", init_seed=0))
+    ids, mask = _batch(True)
+    with torch.no_grad():
+        for name in ("default", "kv"):
+            got = model(input_ids=ids, attention_mask=mask, adapter_names=[name] * ids.shape[0]).logits
+            want = reference(input_ids=ids, attention_mask=mask, adapter_names=[name] * ids.shape[0]).logits
+            torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)
+    assert model.unload().config._attn_implementation == "flash_attention_2"
+

@@ -142,3 +142,12 @@ def test_a_low_precision_base_gets_its_own_dtype(make_base):
     (row,) = prompt_embeds(model, random_ids(1, 5))
     assert row.dtype == torch.bfloat16 and model.base_model.prompt("default").dtype == torch.float32
     assert torch.equal(row[:N], model.base_model.prompt("default").to(torch.bfloat16))
+
+
+def test_a_kv_prompt_is_refused_with_what_serves_it(make_peft):
+    model = make_peft(num_virtual_tokens=N)
+    model.add_adapter("kv", SoftPromptPlusConfig(num_virtual_tokens=3, prompt_level="kv"))
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match=r"`adapter_name`='kv' is a KV prompt .*Serve it with this library"):
+        prompt_embeds(model, ids, mask, adapter_name="kv")
+    assert len(prompt_embeds(model, ids, mask)) == ids.shape[0]  # the input adapter beside it still serves

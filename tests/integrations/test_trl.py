@@ -253,3 +253,40 @@ def test_dpo_with_its_defaults_trains_the_prompt_and_leaves_the_base_bit_identic
     assert not torch.equal(prompt.detach(), start)
     for name, value in base.state_dict().items():
         assert torch.equal(value, before[name]), f"base weight {name} changed"
+
+
+def test_sft_trainer_trains_a_kv_prompt_with_its_defaults(tmp_path, tokenizer):
+    """TRL's defaults (checkpointing, its fused head reading the labels) with a KV prompt: the logged loss is the mean
+    cross-entropy over labels 1.. (nothing predicts label 0), the prompt moves and the base doesn't."""
+    base = tiny_gpt2(vocab_size=len(tokenizer))
+    base_before = {k: v.clone() for k, v in base.state_dict().items()}
+    data = Dataset.from_dict({"text": TEXTS})
+    config = SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, init_seed=0, prompt_level="kv")
+    trainer = SpyingSFTTrainer(
+        model=base,
+        args=sft_args(tmp_path, max_steps=1, learning_rate=0.0, bf16=False, per_device_train_batch_size=len(TEXTS)),
+        peft_config=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    (batch,) = trainer.batches
+    model = trainer.model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(want.item(), abs=1e-5)
+    for name, value in base.state_dict().items():
+        assert torch.equal(value, base_before[name]), name
+
+    moving = SFTTrainer(
+        model=tiny_gpt2(vocab_size=len(tokenizer)),
+        args=sft_args(tmp_path / "moving", max_steps=2, learning_rate=1e-2),
+        peft_config=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    start = moving.model.base_model.prompt("default").detach().clone()
+    moving.train()
+    assert not torch.equal(moving.model.base_model.prompt("default").detach(), start)

@@ -155,11 +155,11 @@ def _registered_name(kernel_name: str) -> str:
 # ---------------------------------------------------------------------------------------------- model switch
 
 
-def _kernel_for(implementation: Optional[str]) -> str:
+def _kernel_for(implementation: Optional[str], flash_ok: bool) -> str:
     # Eager keeps the family's own eager code (soft-capping, `output_attentions`); flash_attention_2/3 keep flash where
-    # its package imports. Every other kernel (flex, a Hub kernel, a user's own) can't take a prompt that differs per
-    # row, so sdpa computes the same attention instead.
-    if implementation == "eager" or flash.library_for(implementation):
+    # its package imports (unless `flash_ok` is False). Every other kernel (flex, a Hub kernel, a user's own) can't
+    # take a prompt that differs per row, so sdpa computes the same attention instead.
+    if implementation == "eager" or (flash_ok and flash.library_for(implementation)):
         return implementation
     return "sdpa"
 
@@ -168,11 +168,12 @@ def is_installed(config) -> bool:
     return str(config._attn_implementation or "").startswith(PREFIX)
 
 
-def install(model: nn.Module) -> str:
-    """Point `model`'s attention at ours; returns the implementation to restore with `uninstall`."""
+def install(model: nn.Module, flash_ok: bool = True) -> str:
+    """Point `model`'s attention at ours (our sdpa in place of flash when not `flash_ok`); returns the implementation
+    to restore with `uninstall`."""
     register()
     own = model.config._attn_implementation
-    kernel = _kernel_for(own)
+    kernel = _kernel_for(own, flash_ok)
     if kernel != own:
         log_once(f"The soft prompt enters attention through sdpa; the model's `{own}` comes back on unload().")
     _switch(model, _registered_name(kernel))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -58,14 +58,18 @@ def record_of(layers: dict, layout: KVLayout) -> torch.Tensor:
     return torch.stack([torch.stack([layers[m][0][0], layers[m][1][0]]) for m in layout.modules]).float()
 
 
-def prompt_kv(values: torch.Tensor, layout: KVLayout) -> PromptKV:
-    """A one-prompt `PromptKV` reading `values` `[layers, 2, Hkv, N, hd]` (in the dtype the attention computes in):
-    each layer's keys/values are views of it, so their gradient reaches the stored float32 leaf through one cast."""
+def prompt_kv(values: torch.Tensor, layout: KVLayout, start: int) -> PromptKV:
+    """A one-prompt `PromptKV` reading `values` `[layers, 2, Hkv, N, hd]` (in the dtype the attention computes in),
+    its text at `start`: each layer's keys/values are views of it, so their gradient reaches the stored float32 leaf
+    through one cast."""
     layers = {
         module: (values[i, 0].unsqueeze(0), values[i, 1].unsqueeze(0))  # [1, Hkv, N, hd] each
         for i, module in enumerate(layout.modules)
     }
-    return PromptKV(lengths=torch.tensor([values.shape[-2]], device=values.device), layers=layers)
+    device = values.device
+    return PromptKV(
+        torch.tensor([values.shape[-2]], device=device), layers=layers, starts=torch.tensor([start], device=device)
+    )
 
 
 def passes(
@@ -83,9 +87,7 @@ def passes(
     parts, lasts = [], []
     for prompt, kv, start in zip(row_prompts.prompts, row_prompts.kv, row_prompts.starts("cpu").tolist(), strict=True):
         if kv:
-            part = prompt_kv(prompt, layout)
-            part.starts = torch.tensor([start], device=prompt.device)
-            parts.append(part)
+            parts.append(prompt_kv(prompt, layout, start))
             lasts.append(prompt.new_zeros(width))
         else:
             parts.append(next(ran))
@@ -99,12 +101,11 @@ def _quantized(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def dropout_off(model: nn.Module):
-    """Every module in eval mode (no dropout) but bitsandbytes' layers: an eval-mode forward without autograd makes
-    them repack 4-bit CPU weights into an inference-only form, and they have no dropout. Modes restored after."""
+def _modes(model: nn.Module, training: Callable[[nn.Module], bool]):
+    """Each module's `training` flag set by `training(module)` while the block runs, restored after."""
     modes = [(m, m.training) for m in model.modules()]
     for module in model.modules():
-        module.training = _quantized(module)
+        module.training = training(module)
     try:
         yield
     finally:
@@ -112,20 +113,21 @@ def dropout_off(model: nn.Module):
             module.training = mode
 
 
+def dropout_off(model: nn.Module):
+    """Every module in eval mode (no dropout) but bitsandbytes' layers: an eval-mode forward without autograd makes
+    them repack 4-bit CPU weights into an inference-only form, and they have no dropout."""
+    return _modes(model, _quantized)
+
+
 def probe_layout(model: nn.Module) -> Optional[KVLayout]:
     """`model`'s attention layers and their keys' shapes when they take the prompt through the registry (GPT-2,
     Llama...), else None (Bloom, Falcon)."""
     embedding = model.get_input_embeddings()
     probe = embedding.weight.new_zeros(1, embedding.embedding_dim)  # [1, D]
-    modes = [(m, m.training) for m in model.modules()]
     try:
         # Training mode: an eval-mode forward makes bitsandbytes repack 4-bit CPU weights into an inference-only form.
-        with torch.no_grad():
-            model.train()
+        with torch.no_grad(), _modes(model, lambda module: True):
             record, _ = paths.prompt_pass(model, paths.RowPrompts([probe]), in_text=0)
     except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return None
-    finally:
-        for module, mode in modes:
-            module.training = mode
     return KVLayout.recorded(record.layers)

@@ -13,7 +13,7 @@ from typing import Optional
 
 from torch import nn
 
-from . import attention, generation, kv_values
+from . import attention, flash, generation, kv_values
 from .generation import PromptKVStore
 
 
@@ -60,6 +60,7 @@ class ForwardState:
         self._own_attention: Optional[str] = self.base.attention
         self._before_prompting: Optional[BaseSettings] = None
         self._generate_hook = None
+        self._flash_ok = True  # a flash_attention_2/3 model keeps flash for the prompt at the attention
         self._per_call()
         self._grad_warning_due = True
         self._encoder_source: Optional[tuple] = None
@@ -85,7 +86,7 @@ class ForwardState:
         self._before_prompting = BaseSettings.capture(model)
         task.on_attach(model)
         model.requires_grad_(False)
-        self._own_attention = attention.install(model)
+        self._own_attention = attention.install(model, self._flash_ok)
         self.kv_layout = kv_values.probe_layout(model)
         self.attention_path = self.kv_layout is not None
         self._generate_hook = generation.install_hook(model)
@@ -132,12 +133,26 @@ class ForwardState:
             yield
         finally:
             if switch:
-                attention.install(model)
+                attention.install(model, self._flash_ok)
+
+    def without_flash(self, model: nn.Module) -> None:
+        """A KV prompt can't take the concatenation that runs transformers' own flash, and our flash path is checked
+        on a CPU stand-in only: from the first KV adapter on, a flash model reads every prompt through our sdpa."""
+        if not self._flash_ok:
+            return
+        self._flash_ok = False
+        if attention.is_installed(model.config) and flash.library_for(self._own_attention):
+            attention.uninstall(model, self._own_attention)
+            self._own_attention = attention.install(model, flash_ok=False)
+            attention.log_once(
+                f"A KV prompt on a model loaded with `{self._own_attention}` reads its keys/values through our sdpa "
+                "(our flash path for a prompt is checked on a CPU stand-in, not yet on hardware)."
+            )
 
     def ensure_attention(self, model: nn.Module) -> None:
         """Ours again when something switched it since attach (`set_attn_implementation`, a disabled adapter)."""
         if self.attention_path and not attention.is_installed(model.config):
-            self._own_attention = attention.install(model)
+            self._own_attention = attention.install(model, self._flash_ok)
 
     # ------------------------------------------------------------------ the call in flight
 

@@ -72,6 +72,7 @@ class SoftPromptPlusModel(BaseTuner):
                 raise forward_paths.shared_kv_refused(model, forward_paths.OUTSIDE_REGISTRY)
             embedding = model.get_input_embeddings()
             if config.prompt_level == PromptLevel.KV:
+                self.forward_state.without_flash(model)
                 values = kv_prompt.starting_values(config, model, self.forward_state.kv_layout, loading.is_loading())
             else:
                 placement.resolve(config, embedding)  # the hard prefix/suffix as ids, stored in the config
