@@ -198,3 +198,29 @@ def test_bf16_base_trains_a_float32_prompt(load, real_tokenizer):
     with torch.no_grad():
         loss_fp32 = reference(**batch, labels=labels).loss
     assert abs(loss.item() - loss_fp32.item()) <= 0.05 * loss_fp32.item()  # bf16 rounding, not a different model
+
+
+def test_a_kv_prompt_equals_cartridge_and_the_input_prompt_it_was_lifted_from(load, real_tokenizer, tmp_path):
+    """KV prompts on the real checkpoint (GQA: 3 key/value heads for 9 query heads; rotary keys): the lift of an input
+    prompt gives its logits under left padding, and PEFT CARTRIDGE holding the same keys/values gives the same loss
+    and gradient (its forward, unpadded)."""
+    from peft import CartridgeConfig
+
+    source = attach(load())
+    source.save_pretrained(tmp_path)
+    kv = attach(load(), prompt_level="kv", prompt_init="adapter", prompt_init_adapter=str(tmp_path))
+    assert kv.base_model.prompt_bank.values("default").shape == (30, 2, 3, N, 64)
+    batch = texts(real_tokenizer, SENTENCES)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        torch.testing.assert_close(kv(**batch).logits[real], source(**batch).logits[real], atol=1e-4, rtol=1e-4)
+    ref = get_peft_model(load(), CartridgeConfig(task_type="CAUSAL_LM", num_virtual_tokens=N, num_frozen_tokens=1))
+    values = kv.base_model.prompt_bank.values("default").detach()
+    ref.prompt_encoder["default"].load_prompt_embeddings(values.permute(3, 0, 1, 2, 4).reshape(N, -1))
+    rows = real_tokenizer(["The capital of France is Paris", "Water boils at one hundred"])["input_ids"]
+    ids = torch.tensor([r[:5] for r in rows])
+    out, ref_out = kv.train()(input_ids=ids, labels=ids), ref.train()(input_ids=ids, labels=ids)
+    assert abs(out.loss.item() - ref_out.loss.item()) <= 1e-5
+    (grad,) = torch.autograd.grad(out.loss, kv.base_model.prompt("default"))
+    (want,) = torch.autograd.grad(ref_out.loss, ref.prompt_encoder["default"].trainable_embedding)
+    assert ((grad.permute(3, 0, 1, 2, 4).reshape(want.shape) - want).norm() / want.norm()).item() <= 5e-4
