@@ -250,3 +250,20 @@ def test_sequence_classification_equals_the_lifted_input_prompt(tmp_path):
         got = model.eval()(input_ids=ids, attention_mask=mask).logits
     assert got.shape == (3, 3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_mixed_batch_is_the_same_when_the_last_prompt_position_rides_with_the_text():
+    """A keyword the model may read labels with (here `logits_to_keep` beside labels) runs the input prompts' last
+    position in the text pass; a KV row has none, so its head there is a masked zero row. Same loss and logits."""
+    model = many().train()
+    ids = torch.randint(2, VOCAB, (4, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[2, -2:] = 0  # right padding: under left padding a pad predicts the first real token, path by path
+    labels = ids.masked_fill(mask == 0, -100)
+    rows = ["kv_a", "inp", "__base__", "kv_b"]
+    shared = model(input_ids=ids, attention_mask=mask, labels=labels, adapter_names=rows)
+    riding = model(input_ids=ids, attention_mask=mask, labels=labels, adapter_names=rows, logits_to_keep=0)
+    assert riding.logits.shape == shared.logits.shape == (4, 6, VOCAB)
+    real = mask.bool()
+    torch.testing.assert_close(riding.logits[real], shared.logits[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(riding.loss, shared.loss, atol=1e-6, rtol=1e-6)
