@@ -129,7 +129,7 @@ def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_nam
         gradient_flow.warn_grad_disabled(tuner)
     names = None if route.rows is None else _names_for_heads(tuner, task, adapter_names)
     rows = _row_prompts(tuner, route, names)
-    semantics.check_fits(int(rows.starts("cpu").max()), text.shape[1], semantics.max_positions(tuner.model.config))
+    semantics.check_fits(max(rows.text_starts), text.shape[1], semantics.max_positions(tuner.model.config))
     if _uses_attention(tuner, route, kw):
         # A KV prompt has no last position to run with the text: only an input prompt's may.
         in_text = task.prompt_in_text(tuner.model, labels, kw) if not all(rows.kv) else 0
