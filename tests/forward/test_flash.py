@@ -227,4 +227,3 @@ def test_a_kv_prompt_on_a_flash_model_reads_through_our_sdpa(flash_attn, caplog)
             want = reference(input_ids=ids, attention_mask=mask, adapter_names=[name] * ids.shape[0]).logits
             torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)
     assert model.unload().config._attn_implementation == "flash_attention_2"
-

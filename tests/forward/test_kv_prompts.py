@@ -267,3 +267,16 @@ def test_a_mixed_batch_is_the_same_when_the_last_prompt_position_rides_with_the_
     real = mask.bool()
     torch.testing.assert_close(riding.logits[real], shared.logits[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(riding.loss, shared.loss, atol=1e-6, rtol=1e-6)
+
+
+def test_a_one_token_input_prompt_riding_with_the_text_runs_no_prompt_pass():
+    """N=1 and a keyword that may read the labels: the one position runs with the text, and nothing is left for a
+    prompt pass (which would have zero positions). Same loss as without the keyword, alone and beside a KV row."""
+    model = get_peft_model(tiny_family("llama", VOCAB), SoftPromptPlusConfig(num_virtual_tokens=1, init_seed=0))
+    model.add_adapter("kv", SoftPromptPlusConfig(num_virtual_tokens=3, prompt_level="kv"))
+    model.train()
+    ids = torch.randint(2, VOCAB, (2, 5), generator=torch.Generator().manual_seed(6))
+    for rows in (["default", "default"], ["default", "kv"]):
+        shared = model(input_ids=ids, labels=ids, adapter_names=rows).loss
+        riding = model(input_ids=ids, labels=ids, adapter_names=rows, logits_to_keep=0).loss
+        torch.testing.assert_close(riding, shared, atol=1e-6, rtol=1e-6)

@@ -78,17 +78,22 @@ def passes(
     """The `PromptKV` of a batch's prompts in their order, and each prompt's last output `[A, D]` (zeros for a KV
     prompt, which has none; None when no prompt is an input prompt): the input prompts through one prompt pass (or
     `inputs_done`, their stored passes), the KV prompts as they are stored."""
-    if not any(row_prompts.kv or ()):
+    if not any(row_prompts.kv_flags):
         return inputs_done if inputs_done is not None else paths.prompt_pass(model, row_prompts, in_text)
     inputs = row_prompts.inputs()
-    done = inputs_done if inputs_done is not None or not inputs.prompts else paths.prompt_pass(model, inputs, in_text)
+    # Input prompts whose every position rides with the text (N=1 with `in_text` 1) leave no pass to run.
+    left = any(p.shape[-2] > in_text for p in inputs.prompts)
+    done = inputs_done if inputs_done is not None or not left else paths.prompt_pass(model, inputs, in_text)
     ran, last = iter(done[0].split() if done else []), iter(done[1] if done else [])
+    like = next(p for p, kv in zip(row_prompts.prompts, row_prompts.kv_flags, strict=True) if kv)
     width = model.get_input_embeddings().embedding_dim
     parts, lasts = [], []
-    for prompt, kv, start in zip(row_prompts.prompts, row_prompts.kv, row_prompts.starts("cpu").tolist(), strict=True):
-        if kv:
-            parts.append(prompt_kv(prompt, layout, start))
-            lasts.append(prompt.new_zeros(width))
+    for prompt, kv, start in zip(
+        row_prompts.prompts, row_prompts.kv_flags, row_prompts.starts("cpu").tolist(), strict=True
+    ):
+        if kv or not done:  # a KV prompt as stored; an input prompt with no position left: no keys at all
+            parts.append(prompt_kv(prompt if kv else like[..., :0, :], layout, start))  # [layers, 2, Hkv, N, hd]
+            lasts.append(like.new_zeros(width))
         else:
             parts.append(next(ran))
             lasts.append(next(last))

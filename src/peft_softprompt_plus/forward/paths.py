@@ -11,7 +11,7 @@ import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -46,8 +46,12 @@ class RowPrompts:
     def starts(self, device) -> torch.Tensor:
         return self.lengths(device) if self.text_starts is None else torch.tensor(self.text_starts, device=device)
 
+    @property
+    def kv_flags(self) -> list[bool]:
+        return self.kv or [False] * len(self.prompts)
+
     def is_kv(self, device) -> torch.Tensor:
-        return torch.tensor(self.kv or [False] * len(self.prompts), dtype=torch.bool, device=device)  # [A]
+        return torch.tensor(self.kv_flags, dtype=torch.bool, device=device)  # [A]
 
     def predicts_first(self, batch: int, device) -> torch.Tensor:
         """`[B]`: the rows whose prompt's last position predicts text token 0 (an input prompt's; a KV prompt has no
@@ -60,7 +64,7 @@ class RowPrompts:
 
     def input_names(self, entries: list) -> list:
         """The entries of `entries` (one per prompt) that belong to input prompts."""
-        return [e for e, kv in zip(entries, self.kv or [False] * len(self.prompts), strict=True) if not kv]
+        return [e for e, kv in zip(entries, self.kv_flags, strict=True) if not kv]
 
 
 @dataclass
@@ -189,11 +193,12 @@ def attention_inputs(
     input_ids,
     inputs_embeds,
     attention_mask,
-    computed: Optional[tuple[PromptKV, torch.Tensor]] = None,
+    passes: Callable[[], tuple[PromptKV, Optional[torch.Tensor]]],
 ) -> PromptedBatch:
     """The text alone, reading the prompts' keys/values at the attention; `in_text` last prompt positions (0 or 1)
-    run with the text instead (their outputs then come from the model itself, loss included). `computed`: the
-    prompt pass's result when it is already known (stored for inference, in_text 0)."""
+    run with the text instead (their outputs then come from the model itself, loss included). `passes()` gives the
+    prompts' `PromptKV` and last outputs (a prompt pass, stored passes, stored keys/values); it is called only when
+    some prompt position is left for it (a one-token input prompt riding with the text leaves none)."""
     text = input_ids if input_ids is not None else inputs_embeds
     batch, length = text.shape[0], text.shape[1]
     mask = semantics.text_mask(attention_mask, batch, length, text.device)  # [B, L]
@@ -205,8 +210,8 @@ def attention_inputs(
     prompt_last = None
     layers = _checkpointed_layers(model) if model.training and torch.is_grad_enabled() else []
     hand_back: Optional[tuple[list, list]] = None  # (leaf copies the layers read, the prompt pass's tensors)
-    if max(p.shape[-2] for p in row_prompts.prompts) > in_text or any(row_prompts.kv or ()):
-        prompt_kv, last = computed if computed is not None else prompt_pass(model, row_prompts, in_text)
+    if max(p.shape[-2] for p in row_prompts.prompts) > in_text or any(row_prompts.kv_flags):
+        prompt_kv, last = passes()
         if layers and any(_reentrant(layer) for layer in layers):
             connected = [t for kv in prompt_kv.layers.values() for t in kv]
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in connected]
@@ -217,9 +222,8 @@ def attention_inputs(
     if in_text:
         embeds = _text_embeddings(model, input_ids, inputs_embeds)
         # A KV prompt has no last position: its rows' head is a masked zero row, as a row without a prompt's is.
-        heads = torch.stack(
-            [embeds.new_zeros(embeds.shape[-1]) if p.dim() != 2 else p[-1] for p in row_prompts.prompts]
-        )
+        flags = zip(row_prompts.prompts, row_prompts.kv_flags, strict=True)
+        heads = torch.stack([embeds.new_zeros(embeds.shape[-1]) if kv else p[-1] for p, kv in flags])  # [A, D]
         head = row_prompts.per_row(heads.to(embeds.dtype), batch).unsqueeze(1)  # [B, 1, D]
         kwargs["inputs_embeds"] = torch.cat([head, embeds], dim=1)  # [B, 1+L, D]
         text_mask = torch.cat([heads_ride.to(mask.dtype).unsqueeze(1), mask], dim=1)  # [B, 1+L]

@@ -136,7 +136,12 @@ def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_nam
         # Inference reuses each adapter's stored prompt pass, as generate does: serving pays for the text alone.
         reuse = not (in_text or tuner.model.training or torch.is_grad_enabled())
         layout = tuner.forward_state.kv_layout
-        passes = _stored_passes(tuner, route, rows) if reuse else kv_values.passes(tuner.model, rows, in_text, layout)
+
+        def passes():
+            return (
+                _stored_passes(tuner, route, rows) if reuse else kv_values.passes(tuner.model, rows, in_text, layout)
+            )
+
         batch = forward_paths.attention_inputs(
             tuner.model, rows, in_text, input_ids, inputs_embeds, attention_mask, passes
         )
