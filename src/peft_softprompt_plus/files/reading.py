@@ -164,6 +164,20 @@ def diagnose_kv(value: torch.Tensor, expected: Optional[tuple], where: str) -> O
     return _non_finite(value, where)
 
 
+def _checked(folder: str, config: dict, dim: Optional[int] = None) -> torch.Tensor:
+    """A softprompt-plus folder's prompt, checked against its `config` for either level (`dim`: the base's hidden
+    size, None: the file's own); AdapterFileError names what is wrong."""
+    path = weights_file(folder)
+    value = read_prompt(path, saved_key(config))
+    if is_kv(config):
+        problem = diagnose_kv(value, kv_shape(config), repr(path))
+    else:
+        problem = diagnose_prompt(value, (config.get("num_virtual_tokens"), dim or value.shape[-1]), repr(path))
+    if problem:
+        raise AdapterFileError(problem)
+    return value
+
+
 def read_adapter_values(folder: str) -> tuple[dict, torch.Tensor]:
     """A saved softprompt-plus adapter's config and its float32 prompt (either level), every way it can be broken
     named (AdapterFileError)."""
@@ -171,15 +185,7 @@ def read_adapter_values(folder: str) -> tuple[dict, torch.Tensor]:
     check_peft_type(config, folder)
     if config.get("peft_type") != METHOD:
         raise AdapterFileError(f"{folder!r} is a {config.get('peft_type')!r} adapter, not a {METHOD} one.")
-    path = weights_file(folder)
-    value = read_prompt(path, saved_key(config)).float()
-    if is_kv(config):
-        problem = diagnose_kv(value, kv_shape(config), repr(path))
-    else:
-        problem = diagnose_prompt(value, (config.get("num_virtual_tokens"), value.shape[-1]), repr(path))
-    if problem:
-        raise AdapterFileError(problem)
-    return config, value
+    return config, _checked(folder, config).float()
 
 
 def check_folder(folder: str, base: Optional[nn.Module]) -> None:
@@ -188,13 +194,5 @@ def check_folder(folder: str, base: Optional[nn.Module]) -> None:
     check_peft_type(config, folder)
     if config.get("peft_type") != METHOD:
         return
-    path = weights_file(folder)
-    value = read_prompt(path, saved_key(config))
-    if is_kv(config):
-        problem = diagnose_kv(value, kv_shape(config), repr(path))
-    else:
-        embedding = base.get_input_embeddings() if base is not None and hasattr(base, "get_input_embeddings") else None
-        dim = embedding.embedding_dim if isinstance(embedding, nn.Embedding) else value.shape[-1]
-        problem = diagnose_prompt(value, (config.get("num_virtual_tokens"), dim), repr(path))
-    if problem:
-        raise AdapterFileError(problem)
+    embedding = base.get_input_embeddings() if base is not None and hasattr(base, "get_input_embeddings") else None
+    _checked(folder, config, embedding.embedding_dim if isinstance(embedding, nn.Embedding) else None)
