@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .._names import WEIGHT_FILES
-from . import reading, saving
+from . import loading, reading, saving
 
 CARTRIDGE = "CARTRIDGE"
 SAVED = "prompt_embeddings"  # PEFT's key for a prompt-learning adapter's table
@@ -101,7 +101,8 @@ def from_cartridge(base: nn.Module, folder: str, adapter_name: str = "default", 
         kv_frozen_positions=frozen,
         **config,
     )
-    model = get_peft_model(base, kv, adapter_name=adapter_name)
+    with loading.loading():  # the cartridge's values replace the start: none is computed
+        model = get_peft_model(base, kv, adapter_name=adapter_name)
     bank = model.base_model.prompt_bank
     expected = tuple(bank.values(adapter_name).shape)  # [layers, 2, Hkv, N, hd] of this base
     if table.shape[1] != expected[0] * 2 * expected[2] * expected[4]:
