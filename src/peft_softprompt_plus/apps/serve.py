@@ -1,50 +1,75 @@
 """`softprompt-plus serve`: soft prompts by name in front of a running vLLM OpenAI server.
 
 An OpenAI-compatible front (Completions and Chat Completions, streaming included, `GET /v1/models`): a request names
-an adapter as its `model`; the front formats and tokenizes the text the way that adapter was trained, builds the exact
-`[N+L, D]` embeddings (`serve_front.py`) and forwards them to vLLM's `/v1/completions` as `prompt_embeds`. vLLM stays
-the engine (batching, scheduling, prefix caching). The base model by its own name is forwarded as token ids.
-`PUT /v1/adapters/{name}` `{"path": DIR}` adds or replaces an adapter without a restart; `DELETE` removes it.
+an adapter as its `model`; the front checks every field (`serve_requests.py`), formats and tokenizes the text the way
+that adapter was trained, builds the exact `[N+L, D]` embeddings (`serve_front.py`) and forwards them to vLLM's
+`/v1/completions` as `prompt_embeds` (`serve_upstream.py`). vLLM stays the engine (batching, scheduling, prefix
+caching). The base model by its own name is forwarded as token ids. With `--allow-adapter-updates`,
+`PUT /v1/adapters/{name}` `{"path": DIR}` adds or replaces an adapter without a restart, and `DELETE` removes it.
 Needs the `serve` extra (FastAPI, uvicorn, httpx).
+
+The event loop only moves bytes: parsing, tokenizing, templating, building embeddings and adapter changes run in
+worker threads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
 from typing import Optional
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .serve_front import Adapter, Front, FrontError
+from .serve_front import Front
+from .serve_replies import as_chat, as_chat_chunk, merged
+from .serve_requests import LOOPBACK_HOSTS, FrontError, parse
+from .serve_upstream import Upstream, log
 
-UPSTREAM_FLAGS = "--enable-prompt-embeds --dtype float32"
 
-
-def build_app(front: Front, upstream: str, upstream_model: str, api_key: Optional[str] = None) -> FastAPI:
-    client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=httpx.Timeout(600.0, connect=5.0))
+def build_app(
+    front: Front,
+    upstream: str,
+    upstream_model: str,
+    api_key: Optional[str] = None,
+    allow_adapter_updates: bool = False,
+    allowed_hosts: Optional[tuple[str, ...]] = LOOPBACK_HOSTS,
+) -> FastAPI:
+    """The ASGI app. `allowed_hosts`: the names a request's Host header may carry (None: any), so a web page can't
+    reach a loopback front through DNS rebinding."""
+    engine = Upstream(upstream, upstream_model)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        await client.aclose()
+        await engine.aclose()
 
     app = FastAPI(title="softprompt-plus serve", lifespan=lifespan)
+    wanted = f"Bearer {api_key}".encode() if api_key is not None else None
 
     @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+    async def _gate(request: Request, call_next):
+        host = _host_name(request.headers.get("host", ""))
+        if allowed_hosts is not None and host not in allowed_hosts:
+            return _error(400, f"the Host header {host!r} is not one this front answers to (--allowed-host).")
+        given = request.headers.get("authorization", "").encode()
+        if wanted is not None and not hmac.compare_digest(given, wanted):
             return _error(401, "missing or wrong API key: send `Authorization: Bearer <key>`.", "authentication_error")
         return await call_next(request)
 
     @app.exception_handler(FrontError)
     async def _refused(request: Request, err: FrontError):
         return _error(err.status, str(err))
+
+    @app.exception_handler(Exception)
+    async def _failed(request: Request, err: Exception):
+        ticket = uuid.uuid4().hex[:12]
+        log.error("request %s failed", ticket, exc_info=err)
+        return _error(500, f"internal error {ticket}: the front's log has the details.", "server_error")
 
     @app.get("/v1/models")
     async def models():
@@ -56,133 +81,88 @@ def build_app(front: Front, upstream: str, upstream_model: str, api_key: Optiona
         ]
         return {"object": "list", "data": rows}
 
+    def _updates_allowed() -> None:
+        if not allow_adapter_updates:
+            raise FrontError(403, "adapter changes are off: start the front with --allow-adapter-updates.")
+
     @app.put("/v1/adapters/{name}")
     async def put_adapter(name: str, request: Request):
-        body = await _json(request)
+        _updates_allowed()
+        body = await _body(request, front.limits.max_body_bytes)
         folder = body.get("path")
         if not isinstance(folder, str):
-            raise FrontError(400, f"`path` must be the adapter folder (a string), got {folder!r}.")
+            raise FrontError(400, f"`path` must be the adapter's local folder (a string), got {folder!r:.80}.")
         adapter = await asyncio.to_thread(front.add, name, folder)
-        return {"id": adapter.name, "path": adapter.folder, "num_virtual_tokens": adapter.num_virtual_tokens}
+        return {"id": adapter.name, "num_virtual_tokens": adapter.num_virtual_tokens, "positions": adapter.positions}
 
     @app.delete("/v1/adapters/{name}")
     async def delete_adapter(name: str):
-        front.remove(name)
+        _updates_allowed()
+        await asyncio.to_thread(front.remove, name)
         return {"id": name, "deleted": True}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _json(request)
-        adapter = front.resolve(body.get("model"))
-        prompt = body.get("prompt")
-        prompts = prompt if isinstance(prompt, list) else [prompt]
-        if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise FrontError(400, f"`prompt` must be a text or a list of texts, got {prompt!r:.80}.")
-        if len(prompts) == 1:
-            return await _forward(body, adapter, front.token_ids(prompts[0], adapter), chat=False)
-        if body.get("stream"):
-            raise FrontError(400, f"`stream` takes one prompt per request, got {len(prompts)}: send them one by one.")
-        # Several prompts: one upstream request each (vLLM batches them), the choices numbered as OpenAI numbers
-        # them (prompt i's choice c is i * n + c).
-        answers = await asyncio.gather(
-            *(_forward(body, adapter, front.token_ids(p, adapter), chat=False) for p in prompts)
-        )
-        n = body.get("n") or 1
-        choices = [{**c, "index": i * n + c["index"]} for i, a in enumerate(answers) for c in a["choices"]]
-        usage = {
-            k: sum((a.get("usage") or {}).get(k, 0) for a in answers)
-            for k in ("prompt_tokens", "completion_tokens", "total_tokens")
-        }
-        return {**answers[0], "choices": choices, "usage": usage}
+        return await _answer("completions", request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _json(request)
-        adapter = front.resolve(body.get("model"))
-        text = front.chat_text(adapter, body.get("messages"))
-        return await _forward(body, adapter, front.tokenizer(text, add_special_tokens=False)["input_ids"], chat=True)
+        return await _answer("chat", request)
 
-    async def _forward(body: dict, adapter: Optional[Adapter], ids: list[int], chat: bool):
-        name = body["model"]
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or (None if chat else 16)
-        front.check_length(adapter, ids, max_tokens or 0)
-        upstream_body = {k: v for k, v in body.items() if k in _PASSED}
-        upstream_body["model"] = upstream_model
-        if max_tokens is not None:
-            upstream_body["max_tokens"] = max_tokens
-        if adapter is None:
-            upstream_body["prompt"] = ids
-        else:
-            upstream_body["prompt_embeds"] = await asyncio.to_thread(front.embeds_b64, adapter, ids)
-        if body.get("stream"):
-            return StreamingResponse(_stream(upstream_body, name, chat), media_type="text/event-stream")
-        answer = await _post(upstream_body)
-        return _as_chat(answer, name) if chat else {**answer, "model": name}
+    async def _answer(route: str, request: Request):
+        body = await _body(request, front.limits.max_body_bytes)
+        call = await asyncio.to_thread(parse, route, body, front.limits)
+        room = await engine.max_model_len()
+        payloads = await asyncio.to_thread(front.bodies, call, upstream_model, room)
+        chat = route == "chat"
+        if call.stream:
+            response = await engine.open_stream(payloads[0])  # an error here is still an HTTP status
+            return StreamingResponse(
+                _relay(response, call.model, chat, call.top_logprobs), media_type="text/event-stream"
+            )
+        answers = await asyncio.gather(*(engine.post(p) for p in payloads))
+        answer = merged(answers, call.n)
+        return as_chat(answer, call.model, call.top_logprobs) if chat else {**answer, "model": call.model}
 
-    async def _post(upstream_body: dict) -> dict:
-        try:
-            response = await client.post("/v1/completions", json=upstream_body)
-        except httpx.HTTPError as err:
-            raise FrontError(502, _unreachable(upstream, err)) from err
-        if response.status_code != 200:
-            raise FrontError(*_upstream_error(response.status_code, response.text))
-        return response.json()
-
-    async def _stream(upstream_body: dict, name: str, chat: bool):
+    async def _relay(response, name: str, chat: bool, top: Optional[int]):
         first = True
         try:
-            async with client.stream("POST", "/v1/completions", json=upstream_body) as response:
-                if response.status_code != 200:
-                    status, message = _upstream_error(response.status_code, (await response.aread()).decode())
-                    yield _sse({"error": {"message": message, "code": status}})
-                    return
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[len("data: ") :]
-                    if data.strip() == "[DONE]":
-                        yield "data: [DONE]\n\n"
-                        return
-                    chunk = json.loads(data)
-                    yield _sse(_as_chat_chunk(chunk, name, first) if chat else {**chunk, "model": name})
-                    first = False
-        except httpx.HTTPError as err:
-            yield _sse({"error": {"message": _unreachable(upstream, err), "code": 502}})
+            async for chunk in engine.chunks(response):
+                yield _sse(as_chat_chunk(chunk, name, first, top) if chat else {**chunk, "model": name})
+                first = False
+            yield "data: [DONE]\n\n"
+        except FrontError as err:  # mid-stream: the status line is sent, so an OpenAI-style error event
+            yield _sse({"error": {"message": str(err), "type": "server_error", "code": err.status}})
 
     return app
 
 
-# What a client may set that vLLM's Completions endpoint takes as is (the rest is built here or refused).
-_PASSED = {
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "n",
-    "stop",
-    "seed",
-    "stream",
-    "stream_options",
-    "logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-    "ignore_eos",
-    "user",
-}
-
-
-async def _json(request: Request) -> dict:
+async def _body(request: Request, limit: int) -> dict:
+    """The request's JSON object, refused (413) past `limit` bytes before it is all read, parsed off the loop."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise FrontError(
+            413, f"the request body is {declared} bytes; this front takes at most {limit} (--max-body-bytes)."
+        )
+    data = bytearray()
+    async for piece in request.stream():
+        data += piece
+        if len(data) > limit:
+            raise FrontError(413, f"the request body is over {limit} bytes, this front's limit (--max-body-bytes).")
     try:
-        body = await request.json()
+        body = await asyncio.to_thread(json.loads, bytes(data))
     except ValueError as err:
         raise FrontError(400, f"the request body must be JSON: {err}") from err
     if not isinstance(body, dict):
-        raise FrontError(400, "the request body must be a JSON object.")
-    if "prompt_embeds" in body:
-        raise FrontError(400, "`prompt_embeds` is not accepted from clients: send text; the front builds them.")
+        raise FrontError(400, f"the request body must be a JSON object, got {type(body).__name__}.")
     return body
+
+
+def _host_name(host: str) -> str:
+    host = host.strip().lower()
+    if host.startswith("["):  # [::1]:8100
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -193,64 +173,23 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _unreachable(upstream: str, err: Exception) -> str:
-    return (
-        f"the vLLM server at {upstream} can't be reached ({type(err).__name__}: {err}). Start it with "
-        f"`python -m vllm.entrypoints.openai.api_server --model BASE {UPSTREAM_FLAGS}`, or pass --upstream."
-    )
-
-
-def _upstream_error(status: int, text: str) -> tuple[int, str]:
-    if "prompt_embeds" in text or "prompt embeds" in text.lower() or "enable-prompt-embeds" in text:
-        return 502, f"the vLLM server refuses prompt embeddings: restart it with {UPSTREAM_FLAGS}. It said: {text}"
-    return (status if 400 <= status < 500 else 502), f"the vLLM server answered {status}: {text}"
-
-
-def _as_chat(answer: dict, name: str) -> dict:
-    choices = [
-        {
-            "index": c["index"],
-            "message": {"role": "assistant", "content": c.get("text", "")},
-            "finish_reason": c.get("finish_reason"),
-            "logprobs": c.get("logprobs"),
-        }
-        for c in answer.get("choices", [])
-    ]
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": answer.get("created", int(time.time())),
-        "model": name,
-        "choices": choices,
-        "usage": answer.get("usage"),
-    }
-
-
-def _as_chat_chunk(chunk: dict, name: str, first: bool) -> dict:
-    choices = []
-    for c in chunk.get("choices", []):
-        delta = {"content": c.get("text", "")}
-        if first:
-            delta["role"] = "assistant"
-        choices.append({"index": c["index"], "delta": delta, "finish_reason": c.get("finish_reason")})
-    return {
-        "id": chunk.get("id", "").replace("cmpl-", "chatcmpl-", 1),
-        "object": "chat.completion.chunk",
-        "created": chunk.get("created", int(time.time())),
-        "model": name,
-        "choices": choices,
-        **({"usage": chunk["usage"]} if chunk.get("usage") else {}),
-    }
-
-
 def main(args) -> int:
-    """`softprompt-plus serve` once its arguments are checked (cli.py)."""
+    """`softprompt-plus serve` once its arguments are checked (serve_args.py)."""
     import uvicorn
 
-    front = Front(args.base, dtype=args.dtype)
+    from .serve_upstream import engine_scales
+
+    front = Front(args.base, dtype=args.dtype, limits=args.limits, engine_scales=engine_scales(args.engine_version))
     for name, folder in args.adapter:
         front.add(name, folder)
-    app = build_app(front, args.upstream, args.upstream_model or front.base_path, args.api_key)
+    app = build_app(
+        front,
+        args.upstream,
+        args.upstream_model or front.base_path,
+        args.api_key,
+        args.allow_adapter_updates,
+        args.allowed_hosts,
+    )
     print(
         f"serving {front.base_name} and adapters {sorted(front.adapters)} on http://{args.host}:{args.port}/v1 in "
         f"front of {args.upstream}",

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
+import json
 import os
+import urllib.request
+
+from .serve_requests import LOOPBACK_HOSTS, Limits
 
 LOOPBACK = "127.0.0.1"
 
@@ -48,7 +53,33 @@ def add_parser(sub) -> None:
         help="Require `Authorization: Bearer KEY` (default: $SOFTPROMPT_PLUS_API_KEY, else none).",
     )
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="Base dtype.")
+    serve.add_argument(
+        "--allow-adapter-updates",
+        action="store_true",
+        help="Allow PUT/DELETE /v1/adapters/NAME (local folders only; needs --api-key). Off by default.",
+    )
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        help="A name the Host header may carry (repeatable). Default: loopback names when bound to loopback, any "
+        "name otherwise.",
+    )
+    for f in dataclasses.fields(Limits):
+        flag = "--" + f.name.replace("_", "-")
+        serve.add_argument(
+            flag, type=_positive(flag), default=f.default, help=f"{f.metadata['help']} Default {f.default}."
+        )
     serve.set_defaults(func=_serve)
+
+
+def _positive(flag: str):
+    def parse(value: str) -> int:
+        if not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"`{flag}` takes a positive integer, got {value!r}.")
+        return int(value)
+
+    return parse
 
 
 def _serve(args) -> int:
@@ -65,6 +96,14 @@ def _serve(args) -> int:
             f"`--host`={args.host!r} reaches beyond this machine: pass --api-key (or set SOFTPROMPT_PLUS_API_KEY) "
             "so that only your clients are served."
         )
+    if args.allow_adapter_updates and not args.api_key:
+        raise ValueError(
+            "`--allow-adapter-updates` lets a client load any folder on this machine: pass --api-key (or set "
+            "SOFTPROMPT_PLUS_API_KEY) so that only your clients can."
+        )
+    args.allowed_hosts = tuple(h.lower() for h in args.allowed_host) or (None if public else LOOPBACK_HOSTS)
+    args.limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
+    args.engine_version = _engine_version(args.upstream)
     try:
         import fastapi  # noqa: F401
         import httpx  # noqa: F401
@@ -80,3 +119,12 @@ def _serve(args) -> int:
     from .serve import main
 
     return main(args)
+
+
+def _engine_version(upstream: str):
+    """vLLM's version from its `/version` (None while it can't be reached: the newest measured rule applies)."""
+    try:
+        with urllib.request.urlopen(upstream.rstrip("/") + "/version", timeout=5) as answer:
+            return json.loads(answer.read()).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None

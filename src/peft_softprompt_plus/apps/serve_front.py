@@ -2,97 +2,119 @@
 request's text formatted the way its adapter was trained, and the `[N+L, D]` sequence vLLM reads as `prompt_embeds`.
 
 Clients send text; the embeddings are built here, from the adapters this process loaded, and only sent upstream.
+Each served adapter is an immutable `Adapter` record holding its `[P+N+S, D]` block: a request reads one record
+once, so an adapter replaced meanwhile never mixes its old format with its new prompt, and building a request's
+embeddings takes no lock. Everything here is blocking work: the HTTP layer calls it from worker threads.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
+import json
 import os
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from jinja2 import TemplateError
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..distill.data import student_text
 from ..files.inspect_adapter import read_adapter
-from ..integrations.serving import prompt_embeds
+from ..integrations.serving import prompt_block, text_embeddings
+from .serve_requests import Call, FrontError, Limits
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's Completions default
 
 
-class FrontError(Exception):
-    """A request or an adapter the front refuses: `status` is the HTTP status the client gets."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass
+@dataclass(frozen=True)
 class Adapter:
     name: str
     folder: str
     num_virtual_tokens: int
     chat_format: str  # "template" or "student"
-    positions: int = 0  # what the whole prompt takes in front of the text: hard prefix + N + hard suffix
+    block: torch.Tensor  # [P+N+S, D]: hard prefix, soft rows, hard suffix, as the engine reads them
+    salt: str  # vLLM's `cache_salt`: the block's content hash, so tenants never share cache blocks
     first_hard: Optional[int] = None  # the prefix's first id (a BOS there means the text must not bring its own)
+
+    @property
+    def positions(self) -> int:
+        return self.block.shape[0]
 
 
 class Front:
-    """The base model with every adapter loaded into one PeftModel; a lock keeps adapter changes and embedding
-    builds from meeting (the model is only read to build embeddings: vLLM runs the forward)."""
+    """The base model, its tokenizer and the served adapters. One PeftModel holds only the adapter being built
+    (`_build_lock`); the served adapters are records swapped in whole (`_lock`), so removing one never waits for a
+    build, and a failed build leaves the served one as it was."""
 
-    def __init__(self, base: str, dtype: str = "float32"):
+    def __init__(self, base: str, dtype: str = "float32", limits: Optional[Limits] = None, engine_scales=False):
         self.base_path = base
         self.base_name = os.path.basename(os.path.normpath(base)) or base
         self.tokenizer = AutoTokenizer.from_pretrained(base)
         self.base = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype)).eval()
+        self.embedding = self.base.get_input_embeddings()
+        self.limits = limits or Limits()
+        self.engine_scales = engine_scales  # does the engine multiply embeddings by the model's scale itself?
         self.model: Optional[PeftModel] = None
         self.adapters: dict[str, Adapter] = {}
-        self.lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._build_lock = threading.Lock()
         self.max_positions = getattr(self.base.config, "max_position_embeddings", None)
 
     # ------------------------------------------------------------------ adapters
 
     def add(self, name: str, folder: str) -> Adapter:
-        """Load (or replace) adapter `name` from `folder`; refused if it was made for another base or width."""
-        if not name or name == self.base_name or "/" in name:
+        """Build adapter `name` from the local `folder`, then serve it (replacing one of that name). Refused if it
+        was made for another base or width; a refusal leaves what is served unchanged."""
+        if not isinstance(name, str) or not name or name == self.base_name or "/" in name or len(name) > 128:
             raise FrontError(400, f"adapter name {name!r} is taken or invalid: use a name other than the base's.")
+        if not isinstance(folder, str) or not os.path.isdir(folder):
+            raise FrontError(
+                400, f"`path`={folder!r} is not a folder on the server: adapters load from local folders only."
+            )
         try:
             config, prompt = read_adapter(folder)  # [N, D], checked as a SOFTPROMPT_PLUS adapter
         except (ValueError, OSError) as err:
             raise FrontError(400, str(err)) from err
         if config.get("prompt_level") == "kv":
-            raise FrontError(
-                400,
-                f"adapter {name!r} ({folder}) is a KV prompt (prompt_level='kv'): vLLM takes a prompt as embeddings, "
-                "from which it computes every layer's keys itself, so this front can't serve one. Serve it with the "
-                "library's `generate`.",
-            )
+            raise FrontError(400, f"adapter {name!r} ({folder}) is a KV prompt (prompt_level='kv'): {KV_REFUSAL}")
         self._check_fits(name, folder, config, prompt.shape[-1])
-        with self.lock:
+        with self._build_lock:
+            block = self._build(folder)
+        first = (config.get("prompt_prefix_ids") or [None])[0]
+        chat = config.get("chat_format") or "template"
+        adapter = Adapter(name, folder, int(config["num_virtual_tokens"]), chat, block, _salt(block, chat), first)
+        with self._lock:
+            self.adapters = {**self.adapters, name: adapter}
+        return adapter
+
+    def _build(self, folder: str) -> torch.Tensor:
+        """The folder's `[P+N+S, D]` block, read through this library's own model, so it is what `generate` reads."""
+        staging = f"staging-{uuid.uuid4().hex}"
+        try:
             if self.model is None:
-                self.model = PeftModel.from_pretrained(self.base, folder, adapter_name=name)
+                self.model = PeftModel.from_pretrained(self.base, folder, adapter_name=staging)
             else:
-                if name in self.model.peft_config:
-                    self.model.delete_adapter(name)
-                self.model.load_adapter(folder, adapter_name=name)
-            self.model.eval()
-            chat = config.get("chat_format") or "template"
-            n = int(config["num_virtual_tokens"])
-            hard = len(config.get("prompt_prefix_ids") or []) + len(config.get("prompt_suffix_ids") or [])
-            first = (config.get("prompt_prefix_ids") or [None])[0]
-            self.adapters[name] = Adapter(name, folder, n, chat, n + hard, first)
-        return self.adapters[name]
+                self.model.load_adapter(folder, adapter_name=staging)
+        except (ValueError, OSError, KeyError, RuntimeError) as err:
+            raise FrontError(400, f"the adapter in {folder!r} can't be loaded: {err}") from err
+        # The model keeps the last block's adapter only (PEFT can't drop its last one): the others go now.
+        for old in [n for n in self.model.peft_config if n != staging]:
+            self.model.delete_adapter(old)
+        self.model.set_adapter(staging)
+        self.model.eval()
+        return prompt_block(self.model, staging, self.engine_scales).cpu().contiguous()
 
     def remove(self, name: str) -> None:
-        with self.lock:
+        with self._lock:
             if name not in self.adapters:
-                raise FrontError(404, f"adapter {name!r} is not served here; serving {sorted(self.adapters)}.")
-            del self.adapters[name]
-            self.model.delete_adapter(name)
+                raise FrontError(404, f"adapter {name!r} is not served here: GET /v1/models lists what is.")
+            self.adapters = {k: v for k, v in self.adapters.items() if k != name}
 
     def _check_fits(self, name: str, folder: str, config: dict, width: int) -> None:
         trained_on = config.get("base_model_name_or_path") or ""
@@ -101,7 +123,7 @@ class Front:
             raise FrontError(
                 400,
                 f"adapter {name!r} ({folder}) was trained on {trained_on!r}, not on this server's base "
-                f"{self.base_path!r}. Serve it with a front started on that base.",
+                f"{self.base_name!r}. Serve it with a front started on that base.",
             )
         if width != self.base.config.hidden_size:
             raise FrontError(
@@ -113,49 +135,116 @@ class Front:
     # ------------------------------------------------------------------ requests
 
     def resolve(self, model: str) -> Optional[Adapter]:
-        """The adapter a request's `model` names, or None for the base by its own name."""
-        if model == self.base_name or model == self.base_path:
+        """The adapter record a request's `model` names (read once), or None for the base by its own name."""
+        if model in (self.base_name, self.base_path):
             return None
-        if model not in self.adapters:
-            raise FrontError(
-                404,
-                f"model {model!r} is not served here; serving the base {self.base_name!r} and adapters "
-                f"{sorted(self.adapters)}.",
-            )
-        return self.adapters[model]
+        adapter = self.adapters.get(model)
+        if adapter is None:
+            raise FrontError(404, f"model {model!r} is not served here: GET /v1/models lists what is.")
+        return adapter
 
-    def chat_text(self, adapter: Optional[Adapter], messages: list) -> str:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise FrontError(400, "`messages` must be a list of {role, content} objects.")
+    def bodies(self, call: Call, upstream_model: str, max_model_len: Optional[int]) -> list[bytes]:
+        """One vLLM `/v1/completions` body per prompt of `call`, as JSON bytes."""
+        adapter = self.resolve(call.model)
+        if call.route == "chat":
+            rows = [self._chat_ids(adapter, call.prompts[0])]
+        else:
+            many = len(call.prompts) > 1
+            rows = [self._completion_ids(adapter, p, i if many else None) for i, p in enumerate(call.prompts)]
+        known = [x for x in (self.max_positions, max_model_len) if x is not None]
+        limit = min(known) if known else None
+        out = []
+        for ids in rows:
+            body = {**call.options, "model": upstream_model, "max_tokens": self._max_tokens(call, adapter, ids, limit)}
+            if adapter is None:
+                if not ids:
+                    raise FrontError(400, "the prompt is empty: send some text (the base has no soft prompt to read).")
+                body["prompt"] = ids
+            else:
+                body["prompt_embeds"] = self._embeds_b64(adapter, ids)
+                body["cache_salt"] = adapter.salt
+            out.append(json.dumps(body).encode())
+        return out
+
+    def _max_tokens(self, call: Call, adapter: Optional[Adapter], ids: list[int], limit: Optional[int]) -> int:
+        used = (adapter.positions if adapter is not None else 0) + len(ids)
+        room = None if limit is None else limit - used
+        if room is not None and room < 1:
+            raise FrontError(
+                400,
+                f"the input takes {used} positions (the adapter's {used - len(ids)}, the text's {len(ids)}), and the "
+                f"model has {limit}: no room is left for an answer. Shorten the input.",
+            )
+        if call.max_tokens is None:
+            default = self.limits.default_max_tokens if call.route == "chat" else COMPLETION_DEFAULT_MAX_TOKENS
+            return default if room is None else min(default, room)
+        if room is not None and call.max_tokens > room:
+            raise FrontError(
+                400,
+                f"the request needs {used + call.max_tokens} positions (the adapter's {used - len(ids)}, the "
+                f"input's {len(ids)}, max_tokens {call.max_tokens}), but the model has {limit}. Shorten the input or "
+                f"lower max_tokens to at most {room}.",
+            )
+        return call.max_tokens
+
+    def _chat_ids(self, adapter: Optional[Adapter], messages: list) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise FrontError(400, f"the base {self.base_name!r} has no chat template: use /v1/completions.")
         if adapter is not None and adapter.chat_format == "student":
-            return student_text(self.tokenizer, messages)  # never the template's default system prompt
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if any(m["role"] == "system" for m in messages):
+                raise FrontError(
+                    400,
+                    f"`messages` holds a system message, but {adapter.name!r} was distilled from a system prompt and "
+                    "takes the system turn's place: send the user and assistant turns only.",
+                )
+            text = student_text(self.tokenizer, messages)  # never the template's default system prompt
+        else:
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except (TemplateError, ValueError, TypeError) as err:
+                raise FrontError(400, f"`messages`: the model's chat template refuses them: {err}") from err
+        return self._without_second_bos(adapter, self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _completion_ids(self, adapter: Optional[Adapter], prompt, index: Optional[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.token_ids(prompt, adapter)
+        vocab = self.embedding.num_embeddings
+        bad = next((i for i in prompt if not 0 <= i < vocab), None)
+        if bad is not None:
+            where = "prompt" if index is None else f"prompt[{index}]"
+            raise FrontError(400, f"`{where}` holds token id {bad}, outside this base's vocabulary 0..{vocab - 1}.")
+        return list(prompt)
 
     def token_ids(self, text: str, adapter: Optional[Adapter] = None) -> list[int]:
         """A completion prompt's ids as the tokenizer makes them, without the BOS it adds when the adapter's own
         prefix already starts with BOS (the model would read it twice)."""
-        if not isinstance(text, str) or not text:
-            raise FrontError(400, f"`prompt` must be non-empty text, got {text!r}.")
-        ids = self.tokenizer(text)["input_ids"]
+        return self._without_second_bos(adapter, self.tokenizer(text)["input_ids"])
+
+    def _without_second_bos(self, adapter: Optional[Adapter], ids: list[int]) -> list[int]:
         bos = self.tokenizer.bos_token_id
         if adapter is not None and bos is not None and adapter.first_hard == bos and ids[:1] == [bos]:
             return ids[1:]
         return ids
 
-    def check_length(self, adapter: Optional[Adapter], ids: list[int], max_tokens: int) -> None:
-        n = adapter.positions if adapter is not None else 0
-        if self.max_positions is not None and n + len(ids) + max_tokens > self.max_positions:
-            raise FrontError(
-                400,
-                f"the request needs {n + len(ids) + max_tokens} positions (the prompt's {n}, the input's {len(ids)}, "
-                f"max_tokens {max_tokens}), but the model has {self.max_positions}. Shorten the input or lower "
-                "max_tokens.",
-            )
+    def embeds(self, adapter: Adapter, ids: list[int]) -> torch.Tensor:
+        """The row's exact `[N+L, D]` sequence: the adapter's block, then the text's embeddings."""
+        text = text_embeddings(self.embedding, torch.tensor(ids, dtype=torch.long), self.engine_scales)  # [L, D]
+        return torch.cat([adapter.block, text.cpu()])
 
-    def embeds_b64(self, adapter: Adapter, ids: list[int]) -> str:
-        """The row's exact `[N+L, D]` sequence, as vLLM's server reads it: base64 of its `torch.save` bytes."""
-        with self.lock, torch.no_grad():
-            row = prompt_embeds(self.model, torch.tensor([ids]), adapter_name=adapter.name)[0]  # [N+L, D]
+    def _embeds_b64(self, adapter: Adapter, ids: list[int]) -> str:
+        """As vLLM's server reads `prompt_embeds`: base64 of the tensor's `torch.save` bytes."""
         buffer = io.BytesIO()
-        torch.save(row.cpu().contiguous(), buffer)
+        torch.save(self.embeds(adapter, ids).contiguous(), buffer)
         return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _salt(block: torch.Tensor, chat_format: str) -> str:
+    digest = hashlib.sha256(f"{block.dtype}{list(block.shape)}{chat_format}".encode())
+    digest.update(block.float().numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+KV_REFUSAL = (
+    "vLLM takes a prompt as embeddings, from which it computes every layer's keys itself, so this front can't serve "
+    "one through `prompt_embeds`. Serve it with the library's `generate`."
+)

@@ -135,17 +135,42 @@ def prompt_embeds(
     ids, mask = _rows(input_ids, attention_mask, embedding.num_embeddings)
     bos = getattr(tuner.model.config, "bos_token_id", None)
     placement.refuse_second_bos(tuner.peft_config, [name], None, ids, mask, bos)  # as the forward refuses it
-    # What this library's forward reads (a residual adapter's encoder output, not its raw leaf), in both branches.
-    prompt = tuner.prompt_for_use(name).detach()  # [N, D]
+    prompt = _block(tuner, name, engine_scales_embeddings)  # [P+N+S, D]
     _check_fits(mask, prompt.shape[0], semantics.max_positions(tuner.model.config))
-    with torch.no_grad():
-        ids = ids.to(embedding.weight.device)
-        if engine_scales_embeddings:  # the engine multiplies both parts by the scale again
-            weight = embedding.weight
-            prompt = (prompt.float() / _embed_scale(embedding).to(weight.device)).to(weight.dtype)
-            text = nn.functional.embedding(ids, weight, embedding.padding_idx)  # [B, L, D] the raw rows
-        else:
-            text = embedding(ids)  # [B, L, D], as this library's forward embeds the text
+    text = text_embeddings(embedding, ids, engine_scales_embeddings)  # [B, L, D]
     keep = mask.to(text.device).bool()  # [B, L]
     rows = [torch.cat([prompt, text[b][keep[b]]]) for b in range(text.shape[0])]  # each [N+L_b, D]
     return [row.tolist() for row in rows] if as_list else rows
+
+
+def prompt_block(model, adapter_name: Optional[str] = None, engine_scales_embeddings: bool = False) -> torch.Tensor:
+    """The `[P+N+S, D]` part every row of `prompt_embeds` starts with (hard prefix, soft rows, hard suffix), for a
+    server that keeps it once per adapter and puts `text_embeddings` of each request after it. Same arguments and
+    refusals as `prompt_embeds`."""
+    if not isinstance(engine_scales_embeddings, bool):
+        raise ValueError(
+            f"`engine_scales_embeddings` must be True or False, got {type(engine_scales_embeddings).__name__} "
+            f"{engine_scales_embeddings!r}."
+        )
+    tuner = _tuner_of(model)
+    return _block(tuner, _adapter(tuner, adapter_name), engine_scales_embeddings)
+
+
+def text_embeddings(embedding: nn.Module, ids: torch.Tensor, engine_scales_embeddings: bool = False) -> torch.Tensor:
+    """`ids` `[..., L]` as the base's input embedding `embedding` gives them to the model (`[..., L, D]`), or as raw
+    rows for an engine that scales them itself. Reads the weights only: safe from several threads."""
+    with torch.no_grad():
+        ids = ids.to(embedding.weight.device)
+        if engine_scales_embeddings:
+            return nn.functional.embedding(ids, embedding.weight, embedding.padding_idx)  # the raw rows
+        return embedding(ids)  # as this library's forward embeds the text
+
+
+def _block(tuner: SoftPromptPlusModel, name: str, engine_scales_embeddings: bool) -> torch.Tensor:
+    # What this library's forward reads (a residual adapter's encoder output, not its raw leaf).
+    prompt = tuner.prompt_for_use(name).detach()  # [P+N+S, D]
+    if not engine_scales_embeddings:
+        return prompt
+    weight = tuner.model.get_input_embeddings().weight
+    scale = _embed_scale(tuner.model.get_input_embeddings()).to(weight.device)
+    return (prompt.float() / scale).to(weight.dtype)  # the engine multiplies it by the scale again
