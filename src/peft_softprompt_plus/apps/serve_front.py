@@ -104,9 +104,9 @@ class Front:
         except (ValueError, OSError, KeyError, RuntimeError) as err:
             raise FrontError(400, f"the adapter in {folder!r} can't be loaded: {err}") from err
         # The model keeps the last block's adapter only (PEFT can't drop its last one): the others go now.
+        self.model.set_adapter(staging)
         for old in [n for n in self.model.peft_config if n != staging]:
             self.model.delete_adapter(old)
-        self.model.set_adapter(staging)
         self.model.eval()
         return prompt_block(self.model, staging, self.engine_scales).cpu().contiguous()
 

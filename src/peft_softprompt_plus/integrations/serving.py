@@ -119,9 +119,10 @@ def prompt_embeds(
       only: an engine fed embeddings runs the base model's own layers and head.
     - `as_list`: return nested lists of Python floats (SGLang's JSON `input_embeds`) instead of tensors.
     - `engine_scales_embeddings`: for an engine that multiplies input embeddings by the model's embedding scale
-      itself (vLLM's and SGLang's Gemma and Gemma-2), return the sequence divided by that scale: the prompt over it
-      and the raw embedding rows. transformers 5 scales inside the embedding module instead, so with the default
-      the sequence is what transformers' `inputs_embeds` takes. No effect on models without a scale.
+      itself, return the sequence divided by that scale: the prompt over it and the raw embedding rows. With the
+      default the sequence is what transformers' `inputs_embeds` takes (transformers 5 scales inside the embedding
+      module), which is what vLLM 0.32 takes too (measured on Gemma, Gemma-2 and Gemma-3; docs/serving.md). No
+      effect on models without a scale.
 
     Tensors are in the input embedding's dtype, on its device, without autograd: the float32 prompt is cast as this
     library's own forward casts it (`prompt_for_use`). Call `.cpu()` before `torch.save` for vLLM's server.

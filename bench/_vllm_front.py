@@ -1,0 +1,178 @@
+"""`softprompt-plus serve` against the real vLLM: fuzzed request bodies (tests/apps/serve_bodies.py), the load of 64
+concurrent requests over 4 adapters against the same embeddings sent straight to vLLM, and vLLM's prefix cache for
+an adapter with a long kept-text prefix. The front and vLLM share this machine's CPU cores."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+import time
+
+from _vllm_server import KEY, b64, post, prefix_cache, ttft
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "apps"))
+QUESTIONS = [
+    "The capital of Italy is",
+    "My favourite food is",
+    "The sun rises in the",
+    "A good name for a cat is",
+    "The ocean is",
+    "Bread is made from",
+    "In winter it is",
+    "The fastest animal is",
+]
+# A system prompt kept as hard text (as a distilled prompt keeps its facts): ~520 tokens in front of 20 soft rows.
+KEPT = (
+    "You are the assistant of the Harbour Museum of Lisbon. The museum opens at nine and closes at six, every day "
+    "but Monday. Tickets cost twelve euros; children under twelve enter free. The permanent collection holds ships' "
+    "instruments, maps from the fifteenth century and a full-size caravel deck. "
+) * 9
+
+
+def build(path: str, out: str) -> dict[str, str]:
+    """Two more adapters for the load (4 in all with the agreement's two) and the long-prefix one."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peft_softprompt_plus import SoftPromptPlusConfig
+
+    kept = AutoTokenizer.from_pretrained(path)(KEPT)["input_ids"][:520]
+    configs = {
+        "vocab16": SoftPromptPlusConfig(num_virtual_tokens=16, prompt_init="vocab", init_seed=1),
+        "brief8": SoftPromptPlusConfig(
+            num_virtual_tokens=8, prompt_init="text", prompt_init_text="Answer briefly.", tokenizer_name_or_path=path
+        ),
+        "kept540": SoftPromptPlusConfig(
+            num_virtual_tokens=20, prompt_init="vocab", init_seed=2, prompt_prefix_ids=kept
+        ),
+    }
+    folders = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), config)
+        folders[name] = os.path.join(out, name)
+        model.save_pretrained(folders[name])
+    return folders
+
+
+def fuzz(front_url: str, models: list[str], vocab: int, examples: int = 60) -> dict:
+    """Valid bodies must get a 200, malformed ones a JSON 400 that names the field, and the front keeps serving."""
+    import serve_bodies
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    tally = {"valid_200": 0, "valid_other": [], "malformed_400_named": 0, "malformed_other": [], "still_serving": 0}
+
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def one(data):
+        if data.draw(st.booleans()):
+            route, body, name = data.draw(serve_bodies.malformed(models, vocab))
+            status, answer = post(_route(front_url, route), body, KEY)
+            message = (answer.get("error") or {}).get("message", "")
+            if status == 400 and f"`{name}" in message:
+                tally["malformed_400_named"] += 1
+            else:
+                tally["malformed_other"].append((status, name, message[:120]))
+        else:
+            route = data.draw(st.sampled_from(["completions", "chat"]))
+            strategy = serve_bodies.completion(models, vocab) if route == "completions" else serve_bodies.chat(models)
+            body = data.draw(strategy)
+            status, answer = post(_route(front_url, route), body, KEY)
+            if status == 200:
+                tally["valid_200"] += 1
+            else:
+                tally["valid_other"].append((status, str(answer)[:160]))
+        status, _ = post(_route(front_url, "completions"), {"model": models[0], "prompt": "a", "max_tokens": 1}, KEY)
+        tally["still_serving"] += status == 200
+
+    one()
+    tally["examples"] = tally["valid_200"] + len(tally["valid_other"]) + tally["malformed_400_named"]
+    tally["examples"] += len(tally["malformed_other"])
+    return tally
+
+
+def _route(url: str, route: str) -> str:
+    return f"{url}/v1/" + ("chat/completions" if route == "chat" else "completions")
+
+
+def load(path: str, folders: dict[str, str], upstream: str, front_url: str, rounds: int = 2) -> dict:
+    """64 concurrent requests over the 4 adapters, through the front and (the same embeddings) straight to vLLM."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peft_softprompt_plus import prompt_embeds
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    names = list(folders)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), folders[names[0]], names[0])
+    for name in names[1:]:
+        model.load_adapter(folders[name], adapter_name=name)
+    jobs = [(names[i % len(names)], QUESTIONS[(i // len(names)) % len(QUESTIONS)]) for i in range(64)]
+    options = {"max_tokens": 16, "temperature": 0}
+    direct = []
+    with torch.no_grad():
+        for name, text in jobs:
+            row = prompt_embeds(model.eval(), torch.tensor([tokenizer(text)["input_ids"]]), adapter_name=name)[0]
+            direct.append({"model": path, "prompt_embeds": b64(row), **options})
+    via_front = [{"model": name, "prompt": text, **options} for name, text in jobs]
+    times = {"direct": [], "front": []}
+    errors = {"direct": 0, "front": 0}
+    for _ in range(rounds):
+        for kind, bodies, url, key in (
+            ("direct", direct, upstream, None),
+            ("front", via_front, front_url, KEY),
+        ):
+            took, failed = _burst(f"{url}/v1/completions", bodies, key)
+            times[kind] += took
+            errors[kind] += failed
+    p50 = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "requests_per_burst": len(jobs),
+        "adapters": len(names),
+        "errors": errors,
+        "direct_p50_ms": round(1000 * p50["direct"], 1),
+        "front_p50_ms": round(1000 * p50["front"], 1),
+        "front_added_p50": round(p50["front"] / p50["direct"] - 1, 4),
+    }
+
+
+def _burst(url: str, bodies: list[dict], key) -> tuple[list[float], int]:
+    took, failed = [], []
+    gate = threading.Barrier(len(bodies))
+
+    def one(body):
+        gate.wait()
+        start = time.perf_counter()
+        status, _ = post(url, body, key)
+        took.append(time.perf_counter() - start)
+        failed.append(status != 200)
+
+    threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return took, sum(failed)
+
+
+def prefix(front_url: str, upstream: str) -> dict:
+    """Time to the first token of the long-prefix adapter: first, repeated, and the same prefix with another
+    question; and vLLM's own prefix-cache hit rate over the two later requests."""
+    url = f"{front_url}/v1/completions"
+    first = ttft(url, {"model": "kept540", "prompt": "Question: when does it open?", "max_tokens": 4}, KEY)
+    queries, hits = prefix_cache(upstream)
+    repeat = ttft(url, {"model": "kept540", "prompt": "Question: when does it open?", "max_tokens": 4}, KEY)
+    other = ttft(url, {"model": "kept540", "prompt": "Question: what does a ticket cost?", "max_tokens": 4}, KEY)
+    queries_after, hits_after = prefix_cache(upstream)
+    asked = queries_after - queries
+    return {
+        "ttft_first_ms": round(1000 * first, 1),
+        "ttft_repeat_ms": round(1000 * repeat, 1),
+        "ttft_other_question_ms": round(1000 * other, 1),
+        "hit_rate_after_first": round((hits_after - hits) / asked, 3) if asked else None,
+    }
