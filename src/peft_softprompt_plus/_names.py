@@ -29,3 +29,9 @@ def encoder_state(state_dict: dict, adapter_name: str) -> dict:
     """An adapter's encoder tensors in a model state dict, by the encoder's own names (`down.weight`, ...)."""
     marker = f"{BANK}.softprompt_plus_encoder.{adapter_name}."
     return {k.split(marker, 1)[1]: v for k, v in state_dict.items() if marker in k}
+
+
+# KV prompts served by vLLM (apps/serve_kv.py publishes, integrations/vllm_kv.py reads in vLLM's processes).
+VLLM_KV_PARAM = "softprompt_plus_kv"  # a request's `kv_transfer_params` key: the KV prompt's content hash
+VLLM_KV_SERVED = "softprompt_plus_kv_served"  # the connector's mark in a finished request's `kv_transfer_params`
+VLLM_KV_TENSOR = "kv_prompt"  # the tensor's name in a published `<hash>.safetensors`

@@ -25,8 +25,10 @@ from hypothesis import strategies as st
 from peft import get_peft_model
 
 from peft_softprompt_plus import SoftPromptPlusConfig, prompt_embeds, student_text
+from peft_softprompt_plus._names import VLLM_KV_PARAM, VLLM_KV_SERVED
 from peft_softprompt_plus.apps.serve import build_app
 from peft_softprompt_plus.apps.serve_front import Front
+from peft_softprompt_plus.apps.serve_requests import FrontError as FrontError_
 from peft_softprompt_plus.apps.tiny import save_tiny
 
 TEMPLATE = (
@@ -65,7 +67,7 @@ class _Server:
         self.thread.join(10)
 
 
-def fake_vllm(record: list, refuse_embeds: bool = False, max_model_len: int = 100) -> FastAPI:
+def fake_vllm(record: list, refuse_embeds: bool = False, max_model_len: int = 100, connector: bool = True) -> FastAPI:
     """Answers like vLLM's `/v1/completions`: "hello world" per choice (streamed in two pieces when asked). A
     request's `user` asks for vLLM's failures: "fail-400" (its message names server paths), "fail-500",
     "break-stream" (an error event after the first piece) and "bad-line" (a line that is not JSON)."""
@@ -109,6 +111,8 @@ def fake_vllm(record: list, refuse_embeds: bool = False, max_model_len: int = 10
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(pieces(), media_type="text/event-stream")
+        if connector and body.get("kv_transfer_params"):  # as this package's KV connector marks what it served
+            head["kv_transfer_params"] = {VLLM_KV_SERVED: body["kv_transfer_params"][VLLM_KV_PARAM]}
         choices = [
             {"index": c, "text": "hello world", "finish_reason": "length", "logprobs": logprobs} for c in range(n)
         ]
@@ -470,3 +474,50 @@ def test_fuzzed_bodies_get_a_json_4xx_or_a_200_and_the_front_keeps_serving(stack
         assert answer.status_code == 200, (body, answer.text)
     ok = stack["client"].completions.create(model="plain", prompt="a", max_tokens=1)
     assert ok.choices[0].text == "hello world"
+
+
+def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_keys_values(stack):
+    from safetensors.torch import load_file
+
+    from peft_softprompt_plus.apps.serve_kv import check_served
+    from peft_softprompt_plus.files.inspect_adapter import read_adapter
+
+    front = stack["front"]
+    share = stack["root"] / "kv-share"
+    share.mkdir(exist_ok=True)
+    kv = _adapter(stack["base"], str(stack["root"] / "kv-served"), 8, prompt_level="kv")
+    front.kv_share = str(share)
+    record: list = []
+    upstream, bare = _Server(fake_vllm(record)), _Server(fake_vllm([], connector=False))
+    servers = [_Server(build_app(front, u.url, UPSTREAM_MODEL, api_key=KEY)) for u in (upstream, bare)]
+    try:
+        adapter = front.add("kv", kv)
+        (published,) = share.glob("*.safetensors")
+        assert published.stem == adapter.kv and adapter.positions == 4 and adapter.block is None
+        assert torch.equal(load_file(str(published))["kv_prompt"], read_adapter(kv)[1])  # as read from disk
+        client = openai.OpenAI(api_key=KEY, base_url=f"{servers[0].url}/v1", max_retries=0)
+        answer = client.completions.create(model="kv", prompt="the cat", max_tokens=3)
+        assert answer.choices[0].text == "hello world" and "kv_transfer_params" not in answer.model_dump()
+        (body,) = record
+        ids = front.tokenizer("the cat")["input_ids"]
+        assert body["prompt"] == [front.placeholder] * 4 + ids and "prompt_embeds" not in body
+        assert body["kv_transfer_params"] == {VLLM_KV_PARAM: adapter.kv} and body["cache_salt"] == adapter.kv[:32]
+        pieces = client.completions.create(model="kv", prompt="the cat", max_tokens=3, stream=True)
+        assert [c.choices[0].text for c in pieces] == ["hello", " world"]
+        # A vLLM started without the connector would read the placeholders as text: refused, streamed or not.
+        blind = openai.OpenAI(api_key=KEY, base_url=f"{servers[1].url}/v1", max_retries=0)
+        front.verified.clear()
+        for stream in (False, True):
+            with pytest.raises(openai.APIStatusError, match="did not apply the KV prompt") as caught:
+                blind.completions.create(model="kv", prompt="the cat", max_tokens=3, stream=stream)
+            assert caught.value.status_code == 502
+        with pytest.raises(FrontError_, match="did not apply"):
+            check_served({"choices": []}, adapter.kv)
+        late = _adapter(stack["base"], str(stack["root"] / "kv-late"), 9, prompt_level="kv", kv_text_start=6)
+        with pytest.raises(FrontError_, match="kv_text_start=6, not N=4"):
+            front.add("late", late)
+    finally:
+        front.kv_share = None
+        front.adapters = {k: v for k, v in front.adapters.items() if k != "kv"}
+        for server in (*servers, upstream, bare):
+            server.stop()

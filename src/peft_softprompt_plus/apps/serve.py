@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .serve_front import Front
+from .serve_kv import check_served
 from .serve_replies import as_chat, as_chat_chunk, merged
 from .serve_requests import LOOPBACK_HOSTS, FrontError, parse
 from .serve_upstream import Upstream, log
@@ -113,14 +114,18 @@ def build_app(
         body = await _body(request, front.limits.max_body_bytes)
         call = await asyncio.to_thread(parse, route, body, front.limits)
         room = await engine.max_model_len()
-        payloads = await asyncio.to_thread(front.bodies, call, upstream_model, room)
+        adapter, payloads = await asyncio.to_thread(front.bodies, call, upstream_model, room)
+        kv = adapter.kv if adapter is not None else None
         chat = route == "chat"
         if call.stream:
+            if kv is not None and kv not in front.verified:  # a stream can't be taken back: check the engine first
+                check_served(await engine.post(_one_token(payloads[0])), kv)
+                front.verified.add(kv)
             response = await engine.open_stream(payloads[0])  # an error here is still an HTTP status
             return StreamingResponse(
                 _relay(response, call.model, chat, call.top_logprobs), media_type="text/event-stream"
             )
-        answers = await asyncio.gather(*(engine.post(p) for p in payloads))
+        answers = [check_served(a, kv) for a in await asyncio.gather(*(engine.post(p) for p in payloads))]
         answer = merged(answers, call.n)
         return as_chat(answer, call.model, call.top_logprobs) if chat else {**answer, "model": call.model}
 
@@ -135,6 +140,13 @@ def build_app(
             yield _sse({"error": {"message": str(err), "type": "server_error", "code": err.status}})
 
     return app
+
+
+def _one_token(payload: bytes) -> bytes:
+    body = json.loads(payload)
+    body.update(stream=False, max_tokens=1, n=1)
+    body.pop("stream_options", None)
+    return json.dumps(body).encode()
 
 
 async def _body(request: Request, limit: int) -> dict:
@@ -177,9 +189,13 @@ def main(args) -> int:
     """`softprompt-plus serve` once its arguments are checked (serve_args.py)."""
     import uvicorn
 
+    from .serve_kv import vllm_config
     from .serve_upstream import engine_scales
 
-    front = Front(args.base, dtype=args.dtype, limits=args.limits, engine_scales=engine_scales(args.engine_version))
+    scales = engine_scales(args.engine_version)
+    front = Front(args.base, dtype=args.dtype, limits=args.limits, engine_scales=scales, kv_share=args.kv_share)
+    if args.kv_share is not None:
+        print(f"KV prompts: start vLLM with --kv-transfer-config '{vllm_config(args.kv_share)}'", flush=True)
     for name, folder in args.adapter:
         front.add(name, folder)
     app = build_app(

@@ -65,6 +65,13 @@ def add_parser(sub) -> None:
         help="A name the Host header may carry (repeatable). Default: loopback names when bound to loopback, any "
         "name otherwise.",
     )
+    serve.add_argument(
+        "--kv-share",
+        default=None,
+        help="A folder vLLM's processes can read: KV adapters (prompt_level='kv') are published there by content hash "
+        "for this package's KV connector. Without it, KV adapters are refused. The front prints vLLM's "
+        "--kv-transfer-config for it.",
+    )
     for f in dataclasses.fields(Limits):
         flag = "--" + f.name.replace("_", "-")
         serve.add_argument(
@@ -101,6 +108,8 @@ def _serve(args) -> int:
             "`--allow-adapter-updates` lets a client load any folder on this machine: pass --api-key (or set "
             "SOFTPROMPT_PLUS_API_KEY) so that only your clients can."
         )
+    if args.kv_share is not None:
+        os.makedirs(args.kv_share, exist_ok=True)
     args.allowed_hosts = tuple(h.lower() for h in args.allowed_host) or (None if public else LOOPBACK_HOSTS)
     args.limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     args.engine_version = _engine_version(args.upstream)

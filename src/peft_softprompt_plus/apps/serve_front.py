@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ..distill.data import student_text
 from ..files.inspect_adapter import read_adapter
 from ..integrations.serving import prompt_block, text_embeddings
+from . import serve_kv
 from .serve_requests import Call, FrontError, Limits
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's Completions default
@@ -38,13 +39,11 @@ class Adapter:
     folder: str
     num_virtual_tokens: int
     chat_format: str  # "template" or "student"
-    block: torch.Tensor  # [P+N+S, D]: hard prefix, soft rows, hard suffix, as the engine reads them
-    salt: str  # vLLM's `cache_salt`: the block's content hash, so tenants never share cache blocks
+    positions: int  # what the prompt takes in front of the text: hard prefix + N + hard suffix (KV: N)
+    salt: str  # vLLM's `cache_salt`: the prompt's content hash, so tenants never share cache blocks
+    block: Optional[torch.Tensor] = None  # [P+N+S, D] an input prompt's prefix, soft rows and suffix
+    kv: Optional[str] = None  # a KV prompt: its content hash, the file vLLM's connector reads (serve_kv.py)
     first_hard: Optional[int] = None  # the prefix's first id (a BOS there means the text must not bring its own)
-
-    @property
-    def positions(self) -> int:
-        return self.block.shape[0]
 
 
 class Front:
@@ -52,7 +51,14 @@ class Front:
     (`_build_lock`); the served adapters are records swapped in whole (`_lock`), so removing one never waits for a
     build, and a failed build leaves the served one as it was."""
 
-    def __init__(self, base: str, dtype: str = "float32", limits: Optional[Limits] = None, engine_scales=False):
+    def __init__(
+        self,
+        base: str,
+        dtype: str = "float32",
+        limits: Optional[Limits] = None,
+        engine_scales: bool = False,
+        kv_share: Optional[str] = None,
+    ):
         self.base_path = base
         self.base_name = os.path.basename(os.path.normpath(base)) or base
         self.tokenizer = AutoTokenizer.from_pretrained(base)
@@ -60,11 +66,17 @@ class Front:
         self.embedding = self.base.get_input_embeddings()
         self.limits = limits or Limits()
         self.engine_scales = engine_scales  # does the engine multiply embeddings by the model's scale itself?
+        self.kv_share = kv_share  # where KV prompts are published for vLLM's connector (None: KV adapters refused)
+        self.verified: set[str] = set()  # KV prompts the engine was seen to apply
         self.model: Optional[PeftModel] = None
         self.adapters: dict[str, Adapter] = {}
         self._lock = threading.Lock()
         self._build_lock = threading.Lock()
         self.max_positions = getattr(self.base.config, "max_position_embeddings", None)
+        # A KV prompt's N positions go upstream as this id: the connector fills their keys/values before they run.
+        self.placeholder = next(
+            i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None
+        )
 
     # ------------------------------------------------------------------ adapters
 
@@ -81,20 +93,29 @@ class Front:
             config, prompt = read_adapter(folder)  # [N, D], checked as a SOFTPROMPT_PLUS adapter
         except (ValueError, OSError) as err:
             raise FrontError(400, str(err)) from err
-        if config.get("prompt_level") == "kv":
-            raise FrontError(400, f"adapter {name!r} ({folder}) is a KV prompt (prompt_level='kv'): {KV_REFUSAL}")
-        self._check_fits(name, folder, config, prompt.shape[-1])
+        kv = config.get("prompt_level") == "kv"
+        if kv and self.kv_share is None:
+            raise FrontError(400, serve_kv.refusal(name, folder))
+        if kv:
+            serve_kv.check_servable(name, folder, config)
+        self._check_fits(name, folder, config, None if kv else prompt.shape[-1])
         with self._build_lock:
-            block = self._build(folder)
-        first = (config.get("prompt_prefix_ids") or [None])[0]
+            values = self._build(folder, kv)
+        n = int(config["num_virtual_tokens"])
         chat = config.get("chat_format") or "template"
-        adapter = Adapter(name, folder, int(config["num_virtual_tokens"]), chat, block, _salt(block, chat), first)
+        if kv:
+            digest = serve_kv.publish(self.kv_share, values)
+            adapter = Adapter(name, folder, n, chat, n, digest[:32], kv=digest)
+        else:
+            first = (config.get("prompt_prefix_ids") or [None])[0]
+            adapter = Adapter(name, folder, n, chat, values.shape[0], _salt(values, chat), values, first_hard=first)
         with self._lock:
             self.adapters = {**self.adapters, name: adapter}
         return adapter
 
-    def _build(self, folder: str) -> torch.Tensor:
-        """The folder's `[P+N+S, D]` block, read through this library's own model, so it is what `generate` reads."""
+    def _build(self, folder: str, kv: bool) -> torch.Tensor:
+        """The folder's `[P+N+S, D]` block (a KV prompt: its `[layers, 2, Hkv, N, hd]` keys/values), read through
+        this library's own model, so it is what `generate` reads (and a KV prompt's base is checked)."""
         staging = f"staging-{uuid.uuid4().hex}"
         try:
             if self.model is None:
@@ -108,6 +129,8 @@ class Front:
         for old in [n for n in self.model.peft_config if n != staging]:
             self.model.delete_adapter(old)
         self.model.eval()
+        if kv:
+            return self.model.base_model.prompt_bank.values(staging).detach().float()
         return prompt_block(self.model, staging, self.engine_scales).cpu().contiguous()
 
     def remove(self, name: str) -> None:
@@ -116,7 +139,7 @@ class Front:
                 raise FrontError(404, f"adapter {name!r} is not served here: GET /v1/models lists what is.")
             self.adapters = {k: v for k, v in self.adapters.items() if k != name}
 
-    def _check_fits(self, name: str, folder: str, config: dict, width: int) -> None:
+    def _check_fits(self, name: str, folder: str, config: dict, width: Optional[int]) -> None:
         trained_on = config.get("base_model_name_or_path") or ""
         other = os.path.basename(os.path.normpath(trained_on)) if trained_on else ""
         if other and other != self.base_name:
@@ -125,7 +148,7 @@ class Front:
                 f"adapter {name!r} ({folder}) was trained on {trained_on!r}, not on this server's base "
                 f"{self.base_name!r}. Serve it with a front started on that base.",
             )
-        if width != self.base.config.hidden_size:
+        if width is not None and width != self.base.config.hidden_size:
             raise FrontError(
                 400,
                 f"adapter {name!r} ({folder}) holds a prompt {width} wide, but this base's hidden size is "
@@ -143,8 +166,8 @@ class Front:
             raise FrontError(404, f"model {model!r} is not served here: GET /v1/models lists what is.")
         return adapter
 
-    def bodies(self, call: Call, upstream_model: str, max_model_len: Optional[int]) -> list[bytes]:
-        """One vLLM `/v1/completions` body per prompt of `call`, as JSON bytes."""
+    def bodies(self, call: Call, upstream_model: str, max_model_len: Optional[int]) -> tuple[Optional[Adapter], list]:
+        """The adapter `call` names, and one vLLM `/v1/completions` body per prompt of `call`, as JSON bytes."""
         adapter = self.resolve(call.model)
         if call.route == "chat":
             rows = [self._chat_ids(adapter, call.prompts[0])]
@@ -160,11 +183,13 @@ class Front:
                 if not ids:
                     raise FrontError(400, "the prompt is empty: send some text (the base has no soft prompt to read).")
                 body["prompt"] = ids
+            elif adapter.kv is not None:
+                body.update(serve_kv.fields(adapter.kv, adapter.positions, self.placeholder, ids))
             else:
                 body["prompt_embeds"] = self._embeds_b64(adapter, ids)
                 body["cache_salt"] = adapter.salt
             out.append(json.dumps(body).encode())
-        return out
+        return adapter, out
 
     def _max_tokens(self, call: Call, adapter: Optional[Adapter], ids: list[int], limit: Optional[int]) -> int:
         used = (adapter.positions if adapter is not None else 0) + len(ids)
@@ -242,9 +267,3 @@ def _salt(block: torch.Tensor, chat_format: str) -> str:
     digest = hashlib.sha256(f"{block.dtype}{list(block.shape)}{chat_format}".encode())
     digest.update(block.float().numpy().tobytes())
     return digest.hexdigest()[:32]
-
-
-KV_REFUSAL = (
-    "vLLM takes a prompt as embeddings, from which it computes every layer's keys itself, so this front can't serve "
-    "one through `prompt_embeds`. Serve it with the library's `generate`."
-)

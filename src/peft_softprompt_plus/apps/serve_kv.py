@@ -1,0 +1,96 @@
+"""KV adapters (`prompt_level="kv"`) behind `softprompt-plus serve`: each one's keys/values published to a shared
+folder under their content hash, and the request fields that have vLLM's KV connector (`integrations/vllm_kv.py`,
+running in vLLM's processes) put them into the cache slots of N placeholder ids in front of the text.
+
+vLLM places a prompt's tokens at positions 0..L-1, so the text can only start right after the N placeholders:
+adapters whose `kv_text_start` is not N are refused. The connector marks each request it served; the front checks
+the mark, so a vLLM started without the connector is a 502, never an answer computed from the placeholders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Optional
+
+import torch
+from safetensors.torch import save_file
+
+from .._names import VLLM_KV_PARAM, VLLM_KV_SERVED, VLLM_KV_TENSOR
+from .serve_requests import FrontError
+
+CONNECTOR = "SoftPromptKVConnector"
+CONNECTOR_MODULE = "peft_softprompt_plus.integrations.vllm_kv"
+
+
+def vllm_config(share: str) -> str:
+    """vLLM's `--kv-transfer-config` for a front started with `--kv-share share`."""
+    config = {
+        "kv_connector": CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_connector_extra_config": {"folder": os.path.abspath(share)},
+    }
+    return json.dumps(config)
+
+
+def refusal(name: str, folder: str) -> str:
+    return (
+        f"adapter {name!r} ({folder}) is a KV prompt (prompt_level='kv'): vLLM serves it through this package's KV "
+        "connector. Start the front with --kv-share DIR and vLLM with the --kv-transfer-config the front prints for "
+        "that folder (docs/serving.md, 'KV prompts')."
+    )
+
+
+def check_servable(name: str, folder: str, config: dict) -> None:
+    n, start = config.get("num_virtual_tokens"), config.get("kv_text_start")
+    if start not in (None, n):
+        raise FrontError(
+            400,
+            f"adapter {name!r} ({folder}) starts its text at position kv_text_start={start}, not N={n}: vLLM places "
+            "a prompt's tokens at 0..L-1, so it can only serve text right after the N positions. Serve it with the "
+            "library's `generate`.",
+        )
+
+
+def publish(share: str, values: torch.Tensor) -> str:
+    """`values` (`[layers, 2, Hkv, N, hd]`) as `share/<hash>.safetensors`, written once and atomically (the connector
+    may read it at any time); the hash names the content, so a replaced adapter gets a new file."""
+    data = values.detach().float().cpu().contiguous()
+    digest = hashlib.sha256(f"{list(data.shape)}".encode() + data.numpy().tobytes()).hexdigest()[:40]
+    path = os.path.join(share, f"{digest}.safetensors")
+    if not os.path.exists(path):
+        handle, scratch = tempfile.mkstemp(dir=share, suffix=".partial")
+        os.close(handle)
+        try:
+            save_file({VLLM_KV_TENSOR: data}, scratch)
+            os.replace(scratch, path)
+        finally:
+            if os.path.exists(scratch):
+                os.remove(scratch)
+    return digest
+
+
+def fields(digest: str, positions: int, placeholder: int, ids: list[int]) -> dict:
+    """The upstream body's prompt and connector fields for a KV adapter's request."""
+    if not ids:
+        raise FrontError(400, "the prompt is empty: a KV adapter needs some text after its positions.")
+    return {
+        "prompt": [placeholder] * positions + ids,
+        "kv_transfer_params": {VLLM_KV_PARAM: digest},
+        "cache_salt": digest[:32],  # the placeholders are the same ids for every adapter
+    }
+
+
+def check_served(answer: dict, digest: Optional[str]) -> dict:
+    """`answer` without the connector's mark, once the mark says the connector served `digest`."""
+    marks = answer.pop("kv_transfer_params", None) or {}
+    if digest is not None and marks.get(VLLM_KV_SERVED) != digest:
+        raise FrontError(
+            502,
+            "the engine did not apply the KV prompt: start vLLM with the --kv-transfer-config that "
+            "`softprompt-plus serve --kv-share` prints, with the same folder.",
+        )
+    return answer
