@@ -78,6 +78,18 @@ def add_parser(sub) -> None:
     distill.add_argument("--batch-size", type=int, default=8, help="Rows per step (default 8).")
     distill.add_argument("--lr", type=float, default=3e-2, help="AdamW learning rate (default 0.03).")
     distill.add_argument("--seed", type=int, default=0, help="Random seed (default 0).")
+    distill.add_argument(
+        "--prompt-level",
+        default="input",
+        help="The student's form: 'input' (N input vectors, the default) or 'kv' (N keys/values per layer).",
+    )
+    distill.add_argument(
+        "--prompt-init",
+        default="text",
+        help="The student's start: 'text' (the system prompt's first N tokens, the default), 'vocab', 'random', or "
+        "with --prompt-level kv 'selected' (the N positions of the whole system turn its training text attends to "
+        "most; the text then starts where the system turn ended).",
+    )
     distill.set_defaults(func=_distill)
 
 
@@ -123,6 +135,16 @@ def _distill(args) -> int:
         raise ValueError(
             f"`--system-prompt-file`={args.system_prompt_file!r} is empty. Write the system prompt to distill in it."
         )
+    from ..distill.checks import level_problems  # the standard library only
+
+    found = level_problems(args.prompt_level, args.prompt_init, args.in_system_turn, args.keep_file)
+    if found:
+        flags = {"`prompt_level`": "`--prompt-level`", "`prompt_init`": "`--prompt-init`",
+                 "`in_system_turn`": "`--in-system-turn`", "`keep_text`": "`--keep-file`"}  # fmt: skip
+        message = " ".join(found)
+        for name, flag in flags.items():
+            message = message.replace(name, flag)
+        raise ValueError(message)
     users, held_out = _turns("--user-file", args.user_file), _turns("--held-out-file", args.held_out_file)
     probes = _probes(args.probe_file)
     from ..distill.content import passage_of  # the standard library only

@@ -31,6 +31,8 @@ def main(args, system_prompt: str, user_turns, held_out_turns, probes=None) -> i
         batch_size=args.batch_size,
         lr=args.lr,
         seed=args.seed,
+        prompt_level=args.prompt_level,
+        prompt_init=args.prompt_init,
         progress=lambda line: print(line, flush=True),
     )
     model.save_pretrained(args.out)

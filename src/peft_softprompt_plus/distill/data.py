@@ -209,13 +209,16 @@ def kept_ids(tokenizer, prepared, keep_text, in_system_turn: bool) -> list[int]:
     return _ids(tokenizer, "\n\n" + text if in_system_turn else FORMATS[prepared.mode].prefix(tokenizer, text))
 
 
-def init_config(tokenizer, prepared: Prepared, n: int, seed: int, init: str) -> SoftPromptPlusConfig:
+def init_config(tokenizer, prepared: Prepared, n: int, seed: int, init: str, **fields) -> SoftPromptPlusConfig:
     """`init="text"` starts from the system prompt's own first N tokens where the tokenizer can be reloaded (else from
-    vocabulary rows); only those N tokens' text is kept in the config, not the whole (maybe private) system prompt."""
+    vocabulary rows); only those N tokens' text is kept in the config, not the whole (maybe private) system prompt.
+    `fields`: more config fields (`prompt_level`, `kv_text_start`)."""
     folder = getattr(tokenizer, "name_or_path", "")
     if init != "text" or not (folder and os.path.isdir(folder)):
         init = "vocab" if init == "text" else init
-        return SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=n, prompt_init=init, init_seed=seed)
+        return SoftPromptPlusConfig(
+            task_type="CAUSAL_LM", num_virtual_tokens=n, prompt_init=init, init_seed=seed, **fields
+        )
     ids = tokenizer(prepared.system_prompt, add_special_tokens=False)["input_ids"]
     head = tokenizer.decode(ids[:n])
     exact = tokenizer(head, add_special_tokens=False)["input_ids"][:n] == ids[:n]
@@ -226,6 +229,7 @@ def init_config(tokenizer, prepared: Prepared, n: int, seed: int, init: str) -> 
         prompt_init="text",
         prompt_init_text=text,
         tokenizer_name_or_path=folder,
+        **fields,
     )
 
 

@@ -15,7 +15,9 @@ from peft import PeftModel, get_peft_model
 from ..forward import semantics
 from . import content as distill_content
 from . import data as distill_data
+from . import kv_start
 from . import score as distill_score
+from .checks import level_problems, problems_of
 from .score import CurvePoint, DistillReport, Figures
 from .teacher import (
     KEPT_ONLY,
@@ -33,46 +35,6 @@ from .teacher import (
 )
 
 STUDENT = "default"  # PEFT saves the adapter named "default" at the folder's top level: a normal adapter folder
-
-
-def _problems(model, user_turns, held_out_turns, counts: dict, lr, fraction, init, evaluate_at, how) -> list[str]:
-    found = []
-    turns_per_part, answer_weight, probes, greedy_part_replies, quote_parts = how
-    if isinstance(quote_parts, bool) or not isinstance(quote_parts, int) or not 0 <= quote_parts <= 3:
-        found.append(f"`quote_parts` must be an int in [0, 3] (quoting questions per part), got {quote_parts!r}.")
-    if not isinstance(greedy_part_replies, bool):
-        found.append(f"`greedy_part_replies` must be True or False, got {greedy_part_replies!r}.")
-    elif greedy_part_replies and not turns_per_part:
-        found.append(
-            "`greedy_part_replies=True` trains on the greedy replies to the questions about each part; pass "
-            f"`turns_per_part` >= 1 too, got {turns_per_part!r}."
-        )
-    if isinstance(turns_per_part, bool) or not isinstance(turns_per_part, int) or turns_per_part < 0:
-        found.append(f"`turns_per_part` must be an int >= 0, got {turns_per_part!r}.")
-    if isinstance(answer_weight, bool) or not isinstance(answer_weight, (int, float)) or not 0 <= answer_weight <= 1:
-        found.append(f"`answer_weight` must be a number in [0, 1], got {answer_weight!r}.")
-    if probes is not None and (
-        isinstance(probes, str) or not all(isinstance(p, (str, distill_content.Probe)) for p in probes)
-    ):
-        found.append(f"`probes` must be a list of str or Probe, got {type(probes).__name__}.")
-    if isinstance(model, PeftModel) or not hasattr(model, "get_input_embeddings"):
-        found.append(f"`model` must be a base causal LM (not a PeftModel), got {type(model).__name__}.")
-    for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            found.append(f"`{name}` must be an int >= 1, got {value!r}.")
-    for name, turns in (("user_turns", user_turns), ("held_out_turns", held_out_turns)):
-        if turns is not None and (isinstance(turns, str) or not all(isinstance(t, str) for t in turns)):
-            found.append(f"`{name}` must be a list of str (one user turn each), got {type(turns).__name__}.")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        found.append(f"`lr` must be a number > 0, got {lr!r}.")
-    if init not in ("text", "vocab", "random"):
-        found.append(f"`prompt_init` must be 'text', 'vocab' or 'random', got {init!r}.")
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-        found.append(f"`held_out_fraction` must be in (0, 1), got {fraction!r}.")
-    steps = counts["steps"] if isinstance(counts["steps"], int) else 0
-    if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= steps for s in evaluate_at):
-        found.append(f"`evaluate_at` must hold steps in [0, `steps`={steps}], got {list(evaluate_at)!r}.")
-    return found
 
 
 def _batches(count: int, batch_size: int, rng: random.Random):
@@ -144,6 +106,7 @@ def distill_prompt(
     probes: Optional[Sequence[Union[str, distill_content.Probe]]] = None,
     in_system_turn: bool = False,
     keep_text: Optional[str] = None,
+    prompt_level: str = "input",
     samples: Optional[DistillSamples] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> PeftModel:
@@ -158,9 +121,9 @@ def distill_prompt(
     how = (turns_per_part, answer_weight, probes, greedy_part_replies, quote_parts)
     if not isinstance(in_system_turn, bool):
         raise ValueError(f"distill_prompt: `in_system_turn` must be True or False, got {in_system_turn!r}.")
-    problems = _problems(
+    problems = problems_of(
         model, user_turns, held_out_turns, counts, lr, held_out_fraction, prompt_init, evaluate_at, how
-    )
+    ) + level_problems(prompt_level, prompt_init, in_system_turn, keep_text)
     if keep_text is not None and not distill_content.passage_of(keep_text, system_prompt):
         problems.append(
             f"`keep_text` must be a non-empty passage of `system_prompt` (spacing aside), got {keep_text!r:.80}. Copy "
@@ -184,7 +147,11 @@ def distill_prompt(
     given = (turns or []) + list(held_out_turns or []) + [p.question for p in probes or []]
     for turn in given:  # every given turn is checked before the model changes
         prepared.suffix_ids(tokenizer, turn)
-    config = distill_data.init_config(tokenizer, prepared, num_virtual_tokens, seed, prompt_init)
+    chosen = prompt_init == "selected"  # attach from noise; the selection replaces it once the samples are drawn
+    # A selected student's text reads on from where the whole system turn ended, as the teacher's does.
+    level = {"prompt_level": prompt_level, **({"kv_text_start": len(prepared.prefix_ids)} if chosen else {})}
+    init = "random" if chosen else prompt_init
+    config = distill_data.init_config(tokenizer, prepared, num_virtual_tokens, seed, init, **level)
     config.chat_format = "student" if chat else None  # how a server formats its messages (`student_inputs`)
     if in_system_turn:  # the template's system header before the soft tokens, its end of turn after them
         head, tail = distill_data.system_turn(tokenizer, prepared)
@@ -203,6 +170,8 @@ def distill_prompt(
             draw = (turns, held_out_turns, probes, turns_per_part, greedy_part_replies, quote_parts)
             samples = _draw(model, tokenizer, prepared, draw, held_out_fraction, seed, counts, log)
             samples.seconds = (time.perf_counter() - began, time.process_time() - began_cpu)
+    if chosen:
+        _select(model, prepared.prefix_ids, samples, num_virtual_tokens, config.kv_frozen_positions)
     gap = teacher_gap(model, prepared.prefix_ids, samples.train[0].ids)
     none = distill_score.none_figures(model, samples, pad, stops, batch_size)
 
@@ -220,7 +189,9 @@ def distill_prompt(
     readers = (STUDENT, KEPT_ONLY) if kept_only is not None else (STUDENT,)
     scores = distill_score.content_scores(model, tokenizer, prepared, samples, readers, pad, batch_size, log)
     content, kept_content = scores.get(STUDENT), scores.get(KEPT_ONLY)
-    init = f"{config.prompt_init}" + (" (the system prompt's first tokens)" if config.prompt_init == "text" else "")
+    init = "selected (the system turn's most attended positions)" if chosen else f"{config.prompt_init}"
+    init += " (the system prompt's first tokens)" if config.prompt_init == "text" and not chosen else ""
+    init += ", KV" if prompt_level == "kv" else ""
     report = DistillReport(
         prepared.mode, len(prepared.prefix_ids), num_virtual_tokens, steps, batch_size, lr, seed, init, gap,
         student, none, wall, cpu, samples, curve, content, turns_per_part, answer_weight, greedy_part_replies,
@@ -234,6 +205,14 @@ def distill_prompt(
     for line in report.lines():
         log(line)
     return model
+
+
+def _select(model, prefix_ids: list[int], samples: DistillSamples, n: int, frozen: int) -> None:
+    """The `selected` start: the student's N positions, the system turn's most attended by the training texts."""
+    heads = model.base_model.forward_state.kv_layout.heads
+    scores = kv_start.attention_scores(model, prefix_ids, [s.ids for s in samples.train[:32]], heads)
+    values = kv_start.selected(kv_start.prompt_cache(model, prefix_ids), scores, n, frozen)
+    kv_start.install(model, STUDENT, values)
 
 
 def _draw(model, tokenizer, prepared, draw: tuple, fraction, seed, counts, log) -> DistillSamples:

@@ -1,0 +1,67 @@
+"""What `distill_prompt` refuses before the model changes: every argument, each problem named with its value. The
+standard library only (with content.py), so `softprompt-plus distill` checks its flags before any heavy import."""
+
+from __future__ import annotations
+
+from . import content as distill_content
+
+INITS = {"input": ("text", "vocab", "random"), "kv": ("text", "vocab", "random", "selected")}
+
+
+def problems_of(model, user_turns, held_out_turns, counts: dict, lr, fraction, init, evaluate_at, how) -> list[str]:
+    found = []
+    turns_per_part, answer_weight, probes, greedy_part_replies, quote_parts = how
+    if isinstance(quote_parts, bool) or not isinstance(quote_parts, int) or not 0 <= quote_parts <= 3:
+        found.append(f"`quote_parts` must be an int in [0, 3] (quoting questions per part), got {quote_parts!r}.")
+    if not isinstance(greedy_part_replies, bool):
+        found.append(f"`greedy_part_replies` must be True or False, got {greedy_part_replies!r}.")
+    elif greedy_part_replies and not turns_per_part:
+        found.append(
+            "`greedy_part_replies=True` trains on the greedy replies to the questions about each part; pass "
+            f"`turns_per_part` >= 1 too, got {turns_per_part!r}."
+        )
+    if isinstance(turns_per_part, bool) or not isinstance(turns_per_part, int) or turns_per_part < 0:
+        found.append(f"`turns_per_part` must be an int >= 0, got {turns_per_part!r}.")
+    if isinstance(answer_weight, bool) or not isinstance(answer_weight, (int, float)) or not 0 <= answer_weight <= 1:
+        found.append(f"`answer_weight` must be a number in [0, 1], got {answer_weight!r}.")
+    if probes is not None and (
+        isinstance(probes, str) or not all(isinstance(p, (str, distill_content.Probe)) for p in probes)
+    ):
+        found.append(f"`probes` must be a list of str or Probe, got {type(probes).__name__}.")
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel) or not hasattr(model, "get_input_embeddings"):
+        found.append(f"`model` must be a base causal LM (not a PeftModel), got {type(model).__name__}.")
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            found.append(f"`{name}` must be an int >= 1, got {value!r}.")
+    for name, turns in (("user_turns", user_turns), ("held_out_turns", held_out_turns)):
+        if turns is not None and (isinstance(turns, str) or not all(isinstance(t, str) for t in turns)):
+            found.append(f"`{name}` must be a list of str (one user turn each), got {type(turns).__name__}.")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        found.append(f"`lr` must be a number > 0, got {lr!r}.")
+
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        found.append(f"`held_out_fraction` must be in (0, 1), got {fraction!r}.")
+    steps = counts["steps"] if isinstance(counts["steps"], int) else 0
+    if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= steps for s in evaluate_at):
+        found.append(f"`evaluate_at` must hold steps in [0, `steps`={steps}], got {list(evaluate_at)!r}.")
+    return found
+
+
+def level_problems(prompt_level, init, in_system_turn, keep_text) -> list[str]:
+    """The student's form (`prompt_level`) against its start and its placement."""
+    if prompt_level not in INITS:
+        return [f"`prompt_level` must be 'input' or 'kv', got {prompt_level!r}."]
+    found = []
+    if init not in INITS[prompt_level]:
+        found.append(
+            f"`prompt_init` for prompt_level={prompt_level!r} must be one of {list(INITS[prompt_level])}, got "
+            f"{init!r}."
+        )
+    if prompt_level == "kv" and (in_system_turn or keep_text is not None):
+        found.append(
+            "`in_system_turn` and `keep_text` place hard tokens around an input prompt; a KV student takes the whole "
+            "system turn's place (prompt_init='selected' keeps its positions): leave them out with prompt_level='kv'."
+        )
+    return found

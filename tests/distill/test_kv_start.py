@@ -1,0 +1,112 @@
+"""KV students (distill/kv_start.py and `distill_prompt(prompt_level="kv")`) on the tiny chat Llama of
+test_distill.py. References: the teacher itself (a student that keeps every system-turn position is the teacher), the
+attention weights of the base model, and the PEFT reload of the saved student."""
+
+import pytest
+import torch
+from peft import PeftModel
+from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir  # noqa: F401 (the fixture)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from peft_softprompt_plus import distill_prompt, student_inputs
+from peft_softprompt_plus.distill import kv_start
+from peft_softprompt_plus.distill.data import prepare
+
+KW = {"steps": 6, "batch_size": 4, "max_new_tokens": 6, "samples_per_turn": 2, "held_out_samples_per_turn": 1}
+
+
+@pytest.fixture
+def tok(chat_dir):  # noqa: F811
+    return AutoTokenizer.from_pretrained(chat_dir)
+
+
+def _base(chat_dir):  # noqa: F811
+    return AutoModelForCausalLM.from_pretrained(chat_dir).eval()
+
+
+def test_a_selected_student_that_keeps_every_position_is_the_teacher(tok, chat_dir):  # noqa: F811
+    p = len(prepare(tok, SYSTEM, True, 4).prefix_ids)
+    # At the teacher the KL's gradient is zero, so a step leaves it there.
+    kw = {**KW, "steps": 1, "evaluate_at": (0,), "prompt_level": "kv", "prompt_init": "selected"}
+    model = distill_prompt(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=p, user_turns=USERS,
+                           held_out_turns=HELD_OUT, **kw)  # fmt: skip
+    report = model.distill_report
+    assert model.peft_config["default"].kv_text_start == p and report.curve[0].held_out.kl < 1e-9
+    assert report.curve[0].held_out.first_16 == 1.0 and report.none.kl > 1e-3  # the check can tell
+
+
+def test_selection_keeps_the_sink_and_the_most_attended_positions_in_order():
+    cache = torch.arange(2 * 2 * 3 * 6 * 1, dtype=torch.float32).view(2, 2, 3, 6, 1)  # [layers, 2, Hkv, P, hd]
+    scores = torch.tensor([0.0, 5, 1, 9, 2, 8]).expand(2, 3, 6)  # [layers, Hkv, P]
+    picked = kv_start.selected(cache, scores, 3, frozen=1)
+    assert torch.equal(picked, cache[:, :, :, [0, 3, 5]])
+    assert torch.equal(kv_start.selected(cache, scores, 2, frozen=0), cache[:, :, :, [3, 5]])
+    with pytest.raises(ValueError, match=r"`num_virtual_tokens` must be in \[1, 6\]"):
+        kv_start.selected(cache, scores, 7, frozen=1)
+
+
+def test_attention_scores_are_the_base_model_s_own_weights(tok, chat_dir):  # noqa: F811
+    base = _base(chat_dir)
+    model = distill_prompt(base, tok, SYSTEM, num_virtual_tokens=4, prompt_level="kv", user_turns=USERS,
+                           held_out_turns=HELD_OUT, **{**KW, "steps": 1})  # fmt: skip
+    prefix, text = [5, 6, 7, 8, 9], [10, 11, 12]
+    scores = kv_start.attention_scores(model, prefix, [text], kv_heads=2)  # [layers, Hkv, P]
+    reference = AutoModelForCausalLM.from_pretrained(chat_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        weights = reference(input_ids=torch.tensor([prefix + text]), output_attentions=True).attentions
+    expected = torch.stack([w[0, :, 5:, :5].sum(1).view(2, 2, 5).sum(1) for w in weights])
+    torch.testing.assert_close(scores, expected)
+    assert model.get_base_model().config._attn_implementation != "eager"  # put back
+
+
+def test_a_kv_student_trains_saves_and_reloads_as_a_kv_adapter(tok, chat_dir, tmp_path):  # noqa: F811
+    kw = {**KW, "evaluate_at": (0, 6), "prompt_level": "kv", "prompt_init": "selected"}
+    model = distill_prompt(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=6, user_turns=USERS,
+                           held_out_turns=HELD_OUT, **kw)  # fmt: skip
+    report = model.distill_report
+    assert report.curve[0].held_out.kl > report.student.kl  # training moved the selected start on
+    assert "selected" in report.init and "KV" in report.init
+    model.save_pretrained(tmp_path / "kv")
+    reloaded = PeftModel.from_pretrained(_base(chat_dir), tmp_path / "kv")
+    assert reloaded.peft_config["default"].prompt_level == "kv"
+    batch = student_inputs(tok, [[{"role": "user", "content": t}] for t in HELD_OUT])
+    with torch.no_grad():
+        assert torch.equal(reloaded(**batch).logits, model(**batch).logits)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"prompt_level": "kv", "keep_text": "red green blue"}, "a KV student takes the whole system turn's place"),
+        ({"prompt_level": "kv", "in_system_turn": True}, "a KV student takes the whole system turn's place"),
+        ({"prompt_init": "selected"}, "`prompt_init` for prompt_level='input' must be one of"),
+        ({"prompt_level": "prefix"}, "`prompt_level` must be 'input' or 'kv', got 'prefix'"),
+    ],
+)
+def test_kv_student_arguments_are_refused_before_the_model_changes(tok, chat_dir, kwargs, words):  # noqa: F811
+    base = _base(chat_dir)
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("[", r"\[")):
+        distill_prompt(base, tok, SYSTEM, num_virtual_tokens=4, user_turns=USERS, **KW, **kwargs)
+    assert not hasattr(base, "peft_config")
+
+
+def test_cli_distill_trains_a_kv_student_and_refuses_kv_with_placement(chat_dir, tmp_path, capsys):  # noqa: F811
+    from peft_softprompt_plus.apps.cli import main as cli_main
+
+    (tmp_path / "system.txt").write_text(SYSTEM + "\n")
+    (tmp_path / "users.txt").write_text("\n".join(USERS) + "\n")
+    (tmp_path / "keep.txt").write_text("red green blue\n")
+    out = tmp_path / "adapter"
+    argv = ["distill", "--model", chat_dir, "--system-prompt-file", str(tmp_path / "system.txt"), "--out", str(out)]
+    argv += ["--num-virtual-tokens", "5", "--steps", "2", "--user-file", str(tmp_path / "users.txt")]
+    assert cli_main(argv + ["--batch-size", "4", "--prompt-level", "kv", "--prompt-init", "selected"]) == 0
+    assert "adapter saved to" in capsys.readouterr().out
+    reloaded = PeftModel.from_pretrained(_base(chat_dir), out)
+    config = reloaded.peft_config["default"]
+    assert config.prompt_level == "kv" and config.kv_text_start == len(
+        prepare(AutoTokenizer.from_pretrained(chat_dir), SYSTEM, True, 5).prefix_ids
+    )
+    assert cli_main(argv + ["--prompt-level", "kv", "--keep-file", str(tmp_path / "keep.txt")]) == 2
+    assert "`--keep-file` place hard tokens" in capsys.readouterr().err
+    assert cli_main(argv + ["--prompt-init", "selected"]) == 2
+    assert "`--prompt-init` for prompt_level='input' must be one of" in capsys.readouterr().err
