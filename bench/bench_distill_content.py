@@ -59,6 +59,8 @@ class Arm(NamedTuple):
     greedy_part_replies: bool = False
     quote_parts: int = 0
     keep_facts: bool = False  # keep the prompt's facts as hard text (`keep_text`: the prompt folder's kept.txt)
+    prompt_level: str = "input"  # "kv": a KV student
+    prompt_init: str = "text"  # a KV student's start: "text" (the first N tokens' keys/values) or "selected"
 
 
 ARMS = {
@@ -77,6 +79,8 @@ ARMS = {
     "+ 3 turns per part, answer weight 0.5, N=16, facts kept as hard text": (3, 0.5, 16, False, False, 0, True),
     "+ in the system turn, N=16, facts kept as hard text": (3, 0.5, 16, True, False, 0, True),
     "+ 3 turns per part, answer weight 0.5, N=64, facts kept as hard text": (3, 0.5, 64, False, False, 0, True),
+    "KV, selected start, 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, False, False, 0, False, "kv", "selected"),
+    "KV, text start, 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, False, False, 0, False, "kv", "text"),
 }
 DEFAULT_ARMS = list(ARMS)[:3]
 
@@ -240,7 +244,7 @@ def main() -> None:
     if args.score_only:
         return _score_only(names, args.seed, path, tokenizer, data, system_prompt)
     for name in names:
-        per_part, weight, n, in_turn, greedy, quotes, keep = Arm(*ARMS[name])
+        per_part, weight, n, in_turn, greedy, quotes, keep, level, init = Arm(*ARMS[name])
         keep_text = _keep_text(data, keep)
         kept, samples = _samples(data, args.seed, per_part, args.max_new_tokens, greedy, quotes, args.fresh)
         if quotes and samples is None and not args.fresh:
@@ -256,7 +260,7 @@ def main() -> None:
             num_virtual_tokens=n, steps=args.steps, seed=args.seed, turns_per_part=per_part, answer_weight=weight,
             in_system_turn=in_turn, samples=samples, lr=args.lr, evaluate_at=evaluate_at,
             max_new_tokens=args.max_new_tokens, greedy_part_replies=greedy, quote_parts=quotes, keep_text=keep_text,
-            progress=lambda line: print("  " + line, flush=True),
+            prompt_level=level, prompt_init=init, progress=lambda line: print("  " + line, flush=True),
         )  # fmt: skip
         report = model.distill_report
         if samples is None:

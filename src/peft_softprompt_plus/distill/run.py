@@ -106,9 +106,9 @@ def distill_prompt(
     probes: Optional[Sequence[Union[str, distill_content.Probe]]] = None,
     in_system_turn: bool = False,
     keep_text: Optional[str] = None,
-    prompt_level: str = "input",
     samples: Optional[DistillSamples] = None,
     progress: Optional[Callable[[str], None]] = None,
+    prompt_level: str = "input",
 ) -> PeftModel:
     """Train `num_virtual_tokens` soft tokens that make the frozen `model` behave as it does after `system_prompt`.
 
