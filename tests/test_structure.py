@@ -1,10 +1,11 @@
 """The package's shape (docs/architecture.md): layers that import only the layers above them, no import cycles
 (counting imports inside functions), no arrow from the core to an application, small modules, only
 `integrations/peft_registry.py` changes PEFT, the README's layout lists every module, and the 0.2.0 module paths
-still import (with a DeprecationWarning)."""
+still import (with a FutureWarning at the user's line)."""
 
 import ast
 import importlib
+import os
 import pathlib
 import re
 import subprocess
@@ -161,9 +162,9 @@ MOVED_SAMPLE = {  # a 0.2.0 path, and a name it held
 
 
 @pytest.mark.parametrize("old", sorted(MOVED_SAMPLE))
-def test_a_0_2_module_path_still_imports_with_a_deprecation_warning(old):
+def test_a_0_2_module_path_still_imports_with_a_future_warning(old):
     sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=r"moved to .* until 0\.4\.0"):
+    with pytest.warns(FutureWarning, match=r"moved to .* until 0\.4\.0"):
         module = importlib.import_module(old)
     assert hasattr(module, MOVED_SAMPLE[old])
     assert module.__name__ != old  # the module itself, under its new name (one copy of its state)
@@ -187,7 +188,8 @@ def test_the_old_distill_module_names_still_resolve():
     assert distill_prompt.__module__ == "peft_softprompt_plus.distill.run"
     assert main.__module__ == "peft_softprompt_plus.apps.distill_job"
     ours = [w for w in caught if "moved to" in str(w.message)]
-    assert [w.category for w in ours] == [DeprecationWarning, DeprecationWarning]
+    assert [w.category for w in ours] == [FutureWarning, FutureWarning]
+    assert {w.filename for w in ours} == {__file__}  # at the importing line, not inside the package
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         getattr(distill, "nothing")  # noqa: B009
 
@@ -244,3 +246,22 @@ def test_importing_registers_the_method_and_installs_nothing_until_attach():
     env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
     lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.split("\n")
     assert lines[:3] == ["True False False", "softprompt_plus_sdpa True True", "sdpa None"]
+
+
+USER_MODULE = """import peft_softprompt_plus.tuner
+from peft_softprompt_plus.distill import distill_prompt
+"""
+
+
+def test_an_old_path_warns_at_the_user_s_own_line_under_default_filters(tmp_path):
+    # Under default filters a DeprecationWarning raised outside __main__ prints nothing (PEP 565): the user's own
+    # module, imported by their script, must still see the notice, pointing at its import line.
+    (tmp_path / "mymodule.py").write_text(USER_MODULE)
+    (tmp_path / "main.py").write_text("import mymodule\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS",)}
+    done = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "FutureWarning" in line]
+    assert len(lines) == 2, done.stderr
+    assert lines[0].startswith(f"{tmp_path / 'mymodule.py'}:1: FutureWarning: `peft_softprompt_plus.tuner` moved")
+    assert lines[1].startswith(f"{tmp_path / 'mymodule.py'}:2: FutureWarning: `peft_softprompt_plus.distill.distill")

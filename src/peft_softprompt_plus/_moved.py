@@ -1,7 +1,12 @@
 """The module paths of 0.2.0 that moved to a layer in 0.3.0. Each still imports, as the new module, with a
-DeprecationWarning, until 0.4.0. Standard library only: the package's `__init__` installs this at import."""
+FutureWarning at the user's import line, until 0.4.0. Standard library only: the package's `__init__` installs this
+at import.
+
+A FutureWarning, not a DeprecationWarning: under Python's default filters a DeprecationWarning shows only when it is
+raised from `__main__` (PEP 565), so an old path imported from a user's own module would stay silent."""
 
 import importlib
+import os
 import sys
 import warnings
 from importlib.machinery import ModuleSpec
@@ -48,12 +53,28 @@ MOVED = {  # 0.2.0 module -> its 0.3.0 home (`distill` is now the distillation p
 }
 
 
-def warn_moved(old: str, new: str, stacklevel: int) -> None:
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel`, for a `warnings.warn` in `warn_moved`, of the first frame outside importlib and this
+    package: the user's import line. `warnings` itself skips importlib's bootstrap frames without counting them."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        name = frame.f_code.co_filename
+        internal = "importlib" in name and "_bootstrap" in name  # as `warnings` tells them
+        if not internal and not name.startswith(_HERE) and os.path.basename(os.path.dirname(name)) != "importlib":
+            return level
+        frame, level = frame.f_back, level + (0 if internal else 1)
+    return level
+
+
+def warn_moved(old: str, new: str) -> None:
     warnings.warn(
         f"`{old}` moved to `{new}` in 0.3.0; the old path works until {REMOVED_IN}. Import the new path, or the "
         f"public names from `{PACKAGE}` itself.",
-        DeprecationWarning,
-        stacklevel=stacklevel,
+        FutureWarning,
+        stacklevel=_user_stacklevel(),
     )
 
 
@@ -64,7 +85,7 @@ class _Alias:
         self.new = new
 
     def create_module(self, spec):
-        warn_moved(spec.name, self.new, stacklevel=8)  # past importlib's frames, at the user's import line
+        warn_moved(spec.name, self.new)
         module = importlib.import_module(self.new)
         self.real_spec = module.__spec__
         return module

@@ -12,7 +12,7 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from .._moved import warn_moved
 
-    warn_moved(f"{__name__}.{name}", f"{_OLD[name]}.{name}", stacklevel=3)
+    warn_moved(f"{__name__}.{name}", f"{_OLD[name]}.{name}")
     value = getattr(importlib.import_module(_OLD[name]), name)
     globals()[name] = value  # warned once, like any moved path
     return value
