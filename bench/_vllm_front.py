@@ -99,7 +99,7 @@ def _route(url: str, route: str) -> str:
     return f"{url}/v1/" + ("chat/completions" if route == "chat" else "completions")
 
 
-def load(path: str, folders: dict[str, str], upstream: str, front_url: str, rounds: int = 2) -> dict:
+def load(path: str, folders: dict[str, str], upstream: str, front_url: str, rounds: int = 4) -> dict:
     """64 concurrent requests over the 4 adapters, through the front and (the same embeddings) straight to vLLM."""
     import torch
     from peft import PeftModel
@@ -122,11 +122,10 @@ def load(path: str, folders: dict[str, str], upstream: str, front_url: str, roun
     via_front = [{"model": name, "prompt": text, **options} for name, text in jobs]
     times = {"direct": [], "front": []}
     errors = {"direct": 0, "front": 0}
-    for _ in range(rounds):
-        for kind, bodies, url, key in (
-            ("direct", direct, upstream, None),
-            ("front", via_front, front_url, KEY),
-        ):
+    arms = [("direct", direct, upstream, None), ("front", via_front, front_url, KEY)]
+    _burst(f"{upstream}/v1/completions", direct[:8], None)  # warm-up, not counted
+    for round_ in range(rounds):
+        for kind, bodies, url, key in arms if round_ % 2 == 0 else arms[::-1]:  # each goes first in turn
             took, failed = _burst(f"{url}/v1/completions", bodies, key)
             times[kind] += took
             errors[kind] += failed

@@ -51,16 +51,7 @@ def build_app(
 
     app = FastAPI(title="softprompt-plus serve", lifespan=lifespan)
     wanted = f"Bearer {api_key}".encode() if api_key is not None else None
-
-    @app.middleware("http")
-    async def _gate(request: Request, call_next):
-        host = _host_name(request.headers.get("host", ""))
-        if allowed_hosts is not None and host not in allowed_hosts:
-            return _error(400, f"the Host header {host!r} is not one this front answers to (--allowed-host).")
-        given = request.headers.get("authorization", "").encode()
-        if wanted is not None and not hmac.compare_digest(given, wanted):
-            return _error(401, "missing or wrong API key: send `Authorization: Bearer <key>`.", "authentication_error")
-        return await call_next(request)
+    app.add_middleware(_Gate, wanted=wanted, hosts=allowed_hosts)
 
     @app.exception_handler(FrontError)
     async def _refused(request: Request, err: FrontError):
@@ -168,6 +159,28 @@ async def _body(request: Request, limit: int) -> dict:
     if not isinstance(body, dict):
         raise FrontError(400, f"the request body must be a JSON object, got {type(body).__name__}.")
     return body
+
+
+class _Gate:
+    """The Host and key checks, as plain ASGI (starlette's `BaseHTTPMiddleware` costs a task and a stream each
+    request)."""
+
+    def __init__(self, app, wanted: Optional[bytes], hosts: Optional[tuple[str, ...]]):
+        self.app, self.wanted, self.hosts = app, wanted, hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])  # lower-case byte names, as ASGI gives them
+        host = _host_name(headers.get(b"host", b"").decode("latin-1"))
+        if self.hosts is not None and host not in self.hosts:
+            refusal = _error(400, f"the Host header {host!r} is not one this front answers to (--allowed-host).")
+        elif self.wanted is not None and not hmac.compare_digest(headers.get(b"authorization", b""), self.wanted):
+            message = "missing or wrong API key: send `Authorization: Bearer <key>`."
+            refusal = _error(401, message, "authentication_error")
+        else:
+            return await self.app(scope, receive, send)
+        await refusal(scope, receive, send)
 
 
 def _host_name(host: str) -> str:
