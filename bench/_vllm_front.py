@@ -123,12 +123,16 @@ def load(path: str, folders: dict[str, str], upstream: str, front_url: str, roun
     times = {"direct": [], "front": []}
     errors = {"direct": 0, "front": 0}
     arms = [("direct", direct, upstream, None), ("front", via_front, front_url, KEY)]
-    _burst(f"{upstream}/v1/completions", direct[:8], None)  # warm-up, not counted
+    for _, bodies, url, key in arms:  # warm-up, not counted: the engine meets every batch size once
+        _burst(f"{url}/v1/completions", bodies, key)
+    ratios = []
     for round_ in range(rounds):
+        took = {}
         for kind, bodies, url, key in arms if round_ % 2 == 0 else arms[::-1]:  # each goes first in turn
-            took, failed = _burst(f"{url}/v1/completions", bodies, key)
-            times[kind] += took
+            took[kind], failed = _burst(f"{url}/v1/completions", bodies, key)
+            times[kind] += took[kind]
             errors[kind] += failed
+        ratios.append(round(statistics.median(took["front"]) / statistics.median(took["direct"]) - 1, 4))
     p50 = {k: statistics.median(v) for k, v in times.items()}
     return {
         "requests_per_burst": len(jobs),
@@ -137,6 +141,7 @@ def load(path: str, folders: dict[str, str], upstream: str, front_url: str, roun
         "direct_p50_ms": round(1000 * p50["direct"], 1),
         "front_p50_ms": round(1000 * p50["front"], 1),
         "front_added_p50": round(p50["front"] / p50["direct"] - 1, 4),
+        "front_added_p50_by_round": ratios,
     }
 
 

@@ -63,6 +63,7 @@ class Arm(NamedTuple):
     prompt_init: str = "text"  # a KV student's start: "text" (the first N tokens' keys/values) or "selected"
 
 
+_KV = (False, False, 0, False, "kv")  # a KV student: no system-turn placement, no kept text
 ARMS = {
     "generic turns (0.3 defaults)": (0, 0.0, 16, False, False),
     "+ 3 turns per part": (3, 0.0, 16, False, False),
@@ -79,8 +80,8 @@ ARMS = {
     "+ 3 turns per part, answer weight 0.5, N=16, facts kept as hard text": (3, 0.5, 16, False, False, 0, True),
     "+ in the system turn, N=16, facts kept as hard text": (3, 0.5, 16, True, False, 0, True),
     "+ 3 turns per part, answer weight 0.5, N=64, facts kept as hard text": (3, 0.5, 64, False, False, 0, True),
-    "KV, selected start, 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, False, False, 0, False, "kv", "selected"),
-    "KV, text start, 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, False, False, 0, False, "kv", "text"),
+    "KV, selected start, 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, *_KV, "selected"),
+    "KV, text start, 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, *_KV, "text"),
 }
 DEFAULT_ARMS = list(ARMS)[:3]
 
