@@ -254,3 +254,38 @@ def test_every_test_file_the_docs_name_exists():
     }
     named.discard("tests/test_decoder_models.py")  # PEFT's own test file, which tests/run_peft_generic.py runs
     assert named and sorted(n for n in named if not (ROOT / n).exists()) == []
+
+
+def test_the_cli_table_lists_every_flag_and_default_of_every_subcommand():
+    """api.md's command-line table against the parsers: each subcommand's row names exactly its flags, and a default
+    written in the row (`[--flag VALUE]`) is the parser's."""
+    import argparse
+
+    from peft_softprompt_plus.apps.cli import build_parser
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `softprompt-plus (\w+)([^`]*)` \|", text, re.M)}
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert sorted(rows) == sorted(subparsers), "api.md's table and the CLI's subcommands differ"
+    for name, row in rows.items():
+        actions = [a for a in subparsers[name]._actions if a.option_strings and "--help" not in a.option_strings]
+        flags = {s for a in actions for s in a.option_strings if s.startswith("--")}
+        written = set(re.findall(r"(--[a-z][a-z0-9-]*)", row))
+        assert written == flags, (
+            f"softprompt-plus {name}: api.md has {sorted(written - flags)} extra, lacks {sorted(flags - written)}"
+        )
+        for action in actions:
+            shown = re.search(rf"\[{re.escape(action.option_strings[-1])} ([^\]\s|.]+)\]", row)
+            if shown and shown.group(1).replace("_", "").replace(".", "").isalnum() and not shown.group(1).isupper():
+                assert str(action.default) == shown.group(1) or _same_number(action.default, shown.group(1)), (
+                    f"softprompt-plus {name} {action.option_strings[-1]}: api.md shows {shown.group(1)!r}, the "
+                    f"parser's default is {action.default!r}"
+                )
+
+
+def _same_number(default, shown: str) -> bool:
+    try:
+        return float(default) == float(shown)
+    except (TypeError, ValueError):
+        return False
