@@ -265,3 +265,15 @@ def test_an_old_path_warns_at_the_user_s_own_line_under_default_filters(tmp_path
     assert len(lines) == 2, done.stderr
     assert lines[0].startswith(f"{tmp_path / 'mymodule.py'}:1: FutureWarning: `peft_softprompt_plus.tuner` moved")
     assert lines[1].startswith(f"{tmp_path / 'mymodule.py'}:2: FutureWarning: `peft_softprompt_plus.distill.distill")
+
+
+def test_the_modules_the_cli_checks_arguments_with_import_neither_torch_nor_peft():
+    # `softprompt-plus` refuses a bad argument before torch, transformers and PEFT load (the start-up hook lets these
+    # modules import without registering). A module that reaches them from here makes every refusal take seconds.
+    from peft_softprompt_plus._site.hook import LIGHT
+
+    code = "import sys\n" + "".join(f"import {name}\n" for name in sorted(LIGHT) if not name.endswith("__main__"))
+    code += "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

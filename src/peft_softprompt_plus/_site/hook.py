@@ -25,8 +25,10 @@ LIGHT = {
             "apps.cli",
             "apps.fetch",
             "apps.serve_args",
+            "apps.serve_requests",
             "apps.distill_args",
             "distill",
+            "distill.checks",
             "distill.content",
         )
     ),
