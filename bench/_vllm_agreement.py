@@ -29,10 +29,6 @@ CHATS = [
 
 def build_adapters(path: str, out: str) -> dict[str, str]:
     """Two adapters on the real checkpoint: 20 vocabulary rows, and 10 rows of an instruction's own tokens."""
-    import torch
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
     from peft_softprompt_plus import SoftPromptPlusConfig
 
     configs = {
@@ -44,6 +40,15 @@ def build_adapters(path: str, out: str) -> dict[str, str]:
             tokenizer_name_or_path=path,
         ),
     }
+    return save_adapters(path, configs, out)
+
+
+def save_adapters(path: str, configs: dict, out: str) -> dict[str, str]:
+    """Each config attached (seed 0) to the float32 checkpoint and saved as `out/<name>`."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
     folders = {}
     for name, config in configs.items():
         torch.manual_seed(0)

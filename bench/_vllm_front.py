@@ -33,9 +33,8 @@ KEPT = (
 
 def build(path: str, out: str) -> dict[str, str]:
     """Two more adapters for the load (4 in all with the agreement's two) and the long-prefix one."""
-    import torch
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from _vllm_agreement import save_adapters
+    from transformers import AutoTokenizer
 
     from peft_softprompt_plus import SoftPromptPlusConfig
 
@@ -49,13 +48,7 @@ def build(path: str, out: str) -> dict[str, str]:
             num_virtual_tokens=20, prompt_init="vocab", init_seed=2, prompt_prefix_ids=kept
         ),
     }
-    folders = {}
-    for name, config in configs.items():
-        torch.manual_seed(0)
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), config)
-        folders[name] = os.path.join(out, name)
-        model.save_pretrained(folders[name])
-    return folders
+    return save_adapters(path, configs, out)
 
 
 def fuzz(front_url: str, models: list[str], vocab: int, examples: int = 60) -> dict:
