@@ -521,3 +521,20 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
         front.adapters = {k: v for k, v in front.adapters.items() if k != "kv"}
         for server in (*servers, upstream, bare):
             server.stop()
+
+
+def test_the_cli_s_host_names_add_to_loopback_and_limit_a_public_front(stack, monkeypatch):
+    from peft_softprompt_plus.apps import serve
+    from peft_softprompt_plus.apps.cli import main
+
+    seen = []
+    monkeypatch.setattr(serve, "main", lambda args: seen.append(args) or 0)
+    monkeypatch.delenv("SOFTPROMPT_PLUS_API_KEY", raising=False)
+    base = ["serve", "--base", stack["base"], "--upstream", "http://127.0.0.1:9"]
+    assert main(base) == 0 and seen[-1].allowed_hosts == ("localhost", "127.0.0.1", "::1")
+    assert main([*base, "--allowed-host", "Proxy.Local"]) == 0
+    assert seen[-1].allowed_hosts == ("localhost", "127.0.0.1", "::1", "proxy.local")
+    public = [*base, "--host", "0.0.0.0", "--api-key", "k"]
+    assert main(public) == 0 and seen[-1].allowed_hosts is None
+    assert main([*public, "--allowed-host", "api.example"]) == 0 and seen[-1].allowed_hosts == ("api.example",)
+    assert seen[-1].limits.max_n == 8 and seen[-1].engine_version is None  # nothing answers at :9

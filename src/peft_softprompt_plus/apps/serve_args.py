@@ -62,8 +62,8 @@ def add_parser(sub) -> None:
         "--allowed-host",
         action="append",
         default=[],
-        help="A name the Host header may carry (repeatable). Default: loopback names when bound to loopback, any "
-        "name otherwise.",
+        help="A name the Host header may carry (repeatable), besides the loopback names a loopback front always "
+        "answers to. A public front answers to any name unless some are given.",
     )
     serve.add_argument(
         "--kv-share",
@@ -110,7 +110,9 @@ def _serve(args) -> int:
         )
     if args.kv_share is not None:
         os.makedirs(args.kv_share, exist_ok=True)
-    args.allowed_hosts = tuple(h.lower() for h in args.allowed_host) or (None if public else LOOPBACK_HOSTS)
+    given = tuple(h.lower() for h in args.allowed_host)
+    # A loopback front always answers to loopback names; a public one to any name unless some are given.
+    args.allowed_hosts = (None if not given else given) if public else LOOPBACK_HOSTS + given
     args.limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     args.engine_version = _engine_version(args.upstream)
     try:
