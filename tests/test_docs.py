@@ -289,3 +289,22 @@ def _same_number(default, shown: str) -> bool:
         return float(default) == float(shown)
     except (TypeError, ValueError):
         return False
+
+
+def test_serving_md_s_flag_table_is_the_serve_parser_s():
+    """docs/serving.md's "Exposing it" table: each flag exists, and a number in its default column is the default."""
+    import argparse
+
+    from peft_softprompt_plus.apps.cli import build_parser
+
+    text = (ROOT / "docs" / "serving.md").read_text()
+    rows = re.findall(r"^\| `(--[a-z-]+)[^`]*` \| ([^|]+) \|", text, re.M)
+    parser = build_parser()
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    defaults = {s: a.default for a in serve._actions for s in a.option_strings}
+    assert len(rows) >= 8 and all(flag in defaults for flag, _ in rows), rows
+    for flag, shown in rows:
+        if shown.strip().isdigit():
+            assert int(shown) == defaults[flag], (
+                f"serving.md shows {flag} {shown.strip()}, the parser {defaults[flag]}"
+            )
