@@ -187,6 +187,7 @@ class Front:
                 body.update(serve_kv.fields(adapter.kv, adapter.positions, self.placeholder, ids))
             else:
                 body["prompt_embeds"] = self._embeds_b64(adapter, ids)
+            if adapter is not None:  # tenants never share cache blocks (for KV, the placeholders are the same ids)
                 body["cache_salt"] = adapter.salt
             out.append(json.dumps(body).encode())
         return adapter, out

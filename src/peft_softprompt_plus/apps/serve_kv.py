@@ -74,13 +74,13 @@ def publish(share: str, values: torch.Tensor) -> str:
 
 
 def fields(digest: str, positions: int, placeholder: int, ids: list[int]) -> dict:
-    """The upstream body's prompt and connector fields for a KV adapter's request."""
+    """The upstream body's prompt and connector fields for a KV adapter's request (its `cache_salt` is the hash too,
+    set with every adapter's)."""
     if not ids:
         raise FrontError(400, "the prompt is empty: a KV adapter needs some text after its positions.")
     return {
         "prompt": [placeholder] * positions + ids,
         "kv_transfer_params": {VLLM_KV_PARAM: digest},
-        "cache_salt": digest[:32],  # the placeholders are the same ids for every adapter
     }
 
 

@@ -150,8 +150,8 @@ def distill_prompt(
     chosen = prompt_init == "selected"  # attach from noise; the selection replaces it once the samples are drawn
     # A selected student's text reads on from where the whole system turn ended, as the teacher's does.
     level = {"prompt_level": prompt_level, **({"kv_text_start": len(prepared.prefix_ids)} if chosen else {})}
-    init = "random" if chosen else prompt_init
-    config = distill_data.init_config(tokenizer, prepared, num_virtual_tokens, seed, init, **level)
+    start = "random" if chosen else prompt_init
+    config = distill_data.init_config(tokenizer, prepared, num_virtual_tokens, seed, start, **level)
     config.chat_format = "student" if chat else None  # how a server formats its messages (`student_inputs`)
     if in_system_turn:  # the template's system header before the soft tokens, its end of turn after them
         head, tail = distill_data.system_turn(tokenizer, prepared)
