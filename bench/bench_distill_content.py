@@ -96,13 +96,14 @@ def _keep_text(data: Path, keep: bool):
     return (data / "kept.txt").read_text().strip() if keep else None
 
 
-def _samples(data: Path, seed: int, per_part: int, length: int, greedy: bool, quotes: int, fresh: bool):
+def _samples(data: Path, seed: int, per_part: int, length: int, greedy: bool, quotes: int, fresh: bool, study=False):
     """The teacher's samples kept from an earlier process for this seed, turns per part, continuation length, greedy
     part replies and quoting questions, or None."""
     tail = (
         ("" if length == 24 else f"-len{length}")
         + ("-greedy" if greedy else "")
         + (f"-quote{quotes}" if quotes else "")
+        + ("-selfstudy" if study else "")
     )  # the earlier files' names kept
     path = OUT / f"distill_content_samples{_tag(data)}-seed{seed}-parts{per_part}{tail}.pkl"
     return path, (None if fresh or not path.exists() else pickle.loads(path.read_bytes()))
@@ -149,6 +150,15 @@ def _kept_interval(rows: list[dict], draws: int = 2000) -> tuple[float, float]:
     return kept[int(0.025 * len(kept))], kept[int(0.975 * len(kept)) - 1]
 
 
+def _knobs(args) -> str:
+    """The recipe flags that change an arm's adapter, for its folder's name ("" at their defaults)."""
+    return "".join(
+        tag for tag, on in ((f" lr {args.lr}", args.lr is not None), (" self-study", args.self_study),
+                            (f" top {args.kl_top_k}", args.kl_top_k), (f" sink {args.kv_frozen_positions}",
+                                                                        args.kv_frozen_positions is not None)) if on
+    )  # fmt: skip
+
+
 def _adapter_dir(data: Path, name: str, seed: int) -> Path:
     return OUT / ("adapter" + _tag(data) + "-" + re.sub(r"\W+", "-", name).strip("-") + f"-seed{seed}")
 
@@ -171,13 +181,13 @@ def _held_out_gaps(model, tokenizer, system_prompt: str, samples, keep_text) -> 
     return gaps
 
 
-def _score_only(names, seed, path, tokenizer, data: Path, system_prompt: str) -> None:
+def _score_only(names, seed, path, tokenizer, data: Path, system_prompt: str, knobs: str = "") -> None:
     """`--score-only`: each arm's adapter saved by an earlier run, scored again on today's user probes."""
     from peft import PeftModel
 
     teacher_replies = {}
     for name in names:
-        folder = _adapter_dir(data, name, seed)
+        folder = _adapter_dir(data, name + knobs, seed)
         if not folder.exists():
             raise SystemExit(f"--score-only: no adapter for {name!r} seed {seed} at {folder}; run the arm first")
         arm = Arm(*ARMS[name])
@@ -187,7 +197,7 @@ def _score_only(names, seed, path, tokenizer, data: Path, system_prompt: str) ->
         kl = None if samples is None else _held_out_gaps(model, tokenizer, system_prompt, samples, keep_text)
         u, kept_only = _user_probes(model, tokenizer, data, system_prompt, teacher_replies, keep_text)
         figures = dict(
-            arm=name, prompt=data.name, seed=seed, score_only=True, held_out_gap_closed=kl,
+            arm=name + knobs, prompt=data.name, seed=seed, score_only=True, held_out_gap_closed=kl,
             user_probes=dict(
                 probes=u.probes, teacher=u.teacher, student=u.student, none=u.none, kept=u.kept,
                 kept_95=_kept_interval(u.replies),
@@ -209,7 +219,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=3e-2)
+    parser.add_argument("--lr", type=float, default=None, help="default: the student form's own (distill_prompt's)")
+    parser.add_argument("--self-study", action="store_true", help="the teacher writes its turns from five seed kinds")
+    parser.add_argument("--kl-top-k", type=int, default=0, help="train on the teacher's top-k tokens (0: full KL)")
+    parser.add_argument("--kv-frozen-positions", type=int, default=None, help="a KV student's frozen sink")
     parser.add_argument("--evaluate-at", default="", help="comma-separated steps at which held-out KL is measured too")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
@@ -243,11 +256,13 @@ def main() -> None:
     results, teacher_replies = {}, {}
     OUT.mkdir(exist_ok=True)
     if args.score_only:
-        return _score_only(names, args.seed, path, tokenizer, data, system_prompt)
+        return _score_only(names, args.seed, path, tokenizer, data, system_prompt, _knobs(args))
     for name in names:
         per_part, weight, n, in_turn, greedy, quotes, keep, level, init = Arm(*ARMS[name])
         keep_text = _keep_text(data, keep)
-        kept, samples = _samples(data, args.seed, per_part, args.max_new_tokens, greedy, quotes, args.fresh)
+        kept, samples = _samples(
+            data, args.seed, per_part, args.max_new_tokens, greedy, quotes, args.fresh, args.self_study
+        )
         if quotes and samples is None and not args.fresh:
             # Quoted rows draw nothing from the RNG: the samples without them, plus them, are what a fresh draw gives.
             samples = _samples(data, args.seed, per_part, args.max_new_tokens, greedy, 0, False)[1]
@@ -262,19 +277,21 @@ def main() -> None:
             in_system_turn=in_turn, samples=samples, lr=args.lr, evaluate_at=evaluate_at,
             max_new_tokens=args.max_new_tokens, greedy_part_replies=greedy, quote_parts=quotes, keep_text=keep_text,
             prompt_level=level, prompt_init=init, progress=lambda line: print("  " + line, flush=True),
+            self_study=args.self_study, kl_top_k=args.kl_top_k, kv_frozen_positions=args.kv_frozen_positions,
         )  # fmt: skip
         report = model.distill_report
         if samples is None:
             kept.write_bytes(pickle.dumps(report.samples))
-        model.save_pretrained(_adapter_dir(data, name, args.seed))  # for --score-only
+        model.save_pretrained(_adapter_dir(data, name + _knobs(args), args.seed))  # for --score-only
         c = report.content
         u, kept_only = _user_probes(model, tokenizer, data, system_prompt, teacher_replies, keep_text)
         results[name] = dict(
             prompt=data.name,
             gap_closed=report.gap_closed, kl=report.student.kl, kl_none=report.none.kl, probes=c.probes,
             teacher=c.teacher, student=c.student, none=c.none, kept=c.kept, seconds=time.perf_counter() - began,
-            replies=c.replies, seed=args.seed, steps=args.steps, lr=args.lr, samples_reused=samples is not None,
-            max_new_tokens=args.max_new_tokens,
+            replies=c.replies, seed=args.seed, steps=args.steps, lr=report.lr, samples_reused=samples is not None,
+            max_new_tokens=args.max_new_tokens, self_study=args.self_study, kl_top_k=args.kl_top_k,
+            kv_frozen_positions=args.kv_frozen_positions,
             user_probes=dict(
                 probes=u.probes, teacher=u.teacher, student=u.student, none=u.none, kept=u.kept,
                 kept_95=_kept_interval(u.replies),

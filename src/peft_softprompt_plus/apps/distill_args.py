@@ -76,7 +76,12 @@ def add_parser(sub) -> None:
     )
     distill.add_argument("--plain", action="store_true", help="A plain text prefix, not the model's chat template.")
     distill.add_argument("--batch-size", type=int, default=8, help="Rows per step (default 8).")
-    distill.add_argument("--lr", type=float, default=3e-2, help="AdamW learning rate (default 0.03).")
+    distill.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="AdamW learning rate (default: 0.03 for an input student, 0.003 for a KV one; docs/distillation.md).",
+    )
     distill.add_argument("--seed", type=int, default=0, help="Random seed (default 0).")
     distill.add_argument(
         "--prompt-level",
@@ -85,10 +90,29 @@ def add_parser(sub) -> None:
     )
     distill.add_argument(
         "--prompt-init",
-        default="text",
-        help="The student's start: 'text' (the system prompt's first N tokens, the default), 'vocab', 'random', or "
-        "with --prompt-level kv 'selected' (the N positions of the whole system turn its training text attends to "
-        "most; the text then starts where the system turn ended).",
+        default=None,
+        help="The student's start: 'text' (the system prompt's first N tokens; an input student's default), 'vocab', "
+        "'random', or with --prompt-level kv 'selected' (the N positions of the whole system turn its training text "
+        "attends to most, the text then starting where the system turn ended; a KV student's default).",
+    )
+    distill.add_argument(
+        "--self-study",
+        action="store_true",
+        help="The teacher writes its training turns from five kinds of seed instruction (structuring, summarising, "
+        "questions, use cases, creative) instead of continuing a user turn (ignored with --user-file).",
+    )
+    distill.add_argument(
+        "--kl-top-k",
+        type=int,
+        default=0,
+        help="Train on the teacher's k likeliest tokens at each position, renormalised (default 0: its full "
+        "distribution).",
+    )
+    distill.add_argument(
+        "--kv-frozen-positions",
+        type=int,
+        default=None,
+        help="With --prompt-level kv: the leading positions kept frozen, the attention sink (default: the config's).",
     )
     distill.set_defaults(func=_distill)
 
@@ -135,12 +159,15 @@ def _distill(args) -> int:
         raise ValueError(
             f"`--system-prompt-file`={args.system_prompt_file!r} is empty. Write the system prompt to distill in it."
         )
-    from ..distill.checks import level_problems  # the standard library only
+    from ..distill.checks import level_defaults, level_problems, study_problems  # the standard library only
 
+    args.lr, args.prompt_init = level_defaults(args.prompt_level, args.lr, args.prompt_init)
     found = level_problems(args.prompt_level, args.prompt_init, args.in_system_turn, args.keep_file)
+    found += study_problems(False, args.kl_top_k, args.kv_frozen_positions, args.prompt_level)
     if found:
         flags = {"`prompt_level`": "`--prompt-level`", "`prompt_init`": "`--prompt-init`",
-                 "`in_system_turn`": "`--in-system-turn`", "`keep_text`": "`--keep-file`"}  # fmt: skip
+                 "`in_system_turn`": "`--in-system-turn`", "`keep_text`": "`--keep-file`",
+                 "`kl_top_k`": "`--kl-top-k`", "`kv_frozen_positions`": "`--kv-frozen-positions`"}  # fmt: skip
         message = " ".join(found)
         for name, flag in flags.items():
             message = message.replace(name, flag)

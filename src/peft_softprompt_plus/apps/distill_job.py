@@ -33,6 +33,9 @@ def main(args, system_prompt: str, user_turns, held_out_turns, probes=None) -> i
         seed=args.seed,
         prompt_level=args.prompt_level,
         prompt_init=args.prompt_init,
+        self_study=args.self_study,
+        kl_top_k=args.kl_top_k,
+        kv_frozen_positions=args.kv_frozen_positions,
         progress=lambda line: print(line, flush=True),
     )
     model.save_pretrained(args.out)

@@ -6,6 +6,36 @@ from __future__ import annotations
 from . import content as distill_content
 
 INITS = {"input": ("text", "vocab", "random"), "kv": ("text", "vocab", "random", "selected")}
+# What `lr=None` and `prompt_init=None` mean for each student form: the recipe measured best in bench/RESULTS.md.
+LEVEL_DEFAULTS = {"input": {"lr": 3e-2, "prompt_init": "text"}, "kv": {"lr": 3e-3, "prompt_init": "selected"}}
+
+
+def level_defaults(prompt_level, lr, prompt_init) -> tuple:
+    """(lr, prompt_init), each None replaced by `prompt_level`'s default (an unknown level is refused later)."""
+    defaults = LEVEL_DEFAULTS.get(prompt_level, LEVEL_DEFAULTS["input"])
+    return (defaults["lr"] if lr is None else lr), (defaults["prompt_init"] if prompt_init is None else prompt_init)
+
+
+def study_problems(self_study, kl_top_k, kv_frozen_positions, prompt_level) -> list[str]:
+    """The training turns' source, the loss's cut and the KV student's frozen sink."""
+    found = []
+    if not isinstance(self_study, bool):
+        found.append(f"`self_study` must be True or False, got {self_study!r}.")
+    if isinstance(kl_top_k, bool) or not isinstance(kl_top_k, int) or kl_top_k < 0:
+        found.append(f"`kl_top_k` must be an int >= 0 (0: the teacher's full distribution), got {kl_top_k!r}.")
+    if kv_frozen_positions is not None:
+        if (
+            isinstance(kv_frozen_positions, bool)
+            or not isinstance(kv_frozen_positions, int)
+            or kv_frozen_positions < 0
+        ):
+            found.append(f"`kv_frozen_positions` must be None or an int >= 0, got {kv_frozen_positions!r}.")
+        elif prompt_level != "kv":
+            found.append(
+                f"`kv_frozen_positions`={kv_frozen_positions!r} sets a KV student's frozen first positions; pass "
+                "prompt_level='kv' too, or leave it None."
+            )
+    return found
 
 
 def problems_of(model, user_turns, held_out_turns, counts: dict, lr, fraction, init, evaluate_at, how) -> list[str]:

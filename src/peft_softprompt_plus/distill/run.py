@@ -17,7 +17,7 @@ from . import content as distill_content
 from . import data as distill_data
 from . import kv_start
 from . import score as distill_score
-from .checks import level_problems, problems_of
+from .checks import level_defaults, level_problems, problems_of, study_problems
 from .score import CurvePoint, DistillReport, Figures
 from .teacher import (
     KEPT_ONLY,
@@ -29,6 +29,7 @@ from .teacher import (
     quoted_rows,
     sample_continuations,
     sample_turns,
+    self_study_turns,
     split_turns,
     teacher_gap,
     unique_turns,
@@ -49,7 +50,8 @@ def _batches(count: int, batch_size: int, rng: random.Random):
         order = order[batch_size:]
 
 
-def _train(model, samples: DistillSamples, steps, batch_size, lr, seed, evaluate_at, evaluate, log, weight) -> tuple:
+def _train(model, samples: DistillSamples, steps, batch_size, lr, seed, evaluate_at, evaluate, log, loss) -> tuple:
+    weight, top_k = loss
     prompt = model.base_model.prompt(STUDENT)
     # Decay would pull the prompt off the embedding manifold; the optimizer holds the student's prompt alone.
     opt = torch.optim.AdamW([prompt], lr=lr, weight_decay=0.0)
@@ -61,12 +63,12 @@ def _train(model, samples: DistillSamples, steps, batch_size, lr, seed, evaluate
     for step in range(1, steps + 1):
         started, started_cpu = time.perf_counter(), time.process_time()
         batch = distill_score.scored_batch([samples.train[i] for i in next(picks)], pad, device)
-        loss = distill_score.weighted_kl(model, batch, STUDENT, weight)
-        loss.backward()
+        kl = distill_score.weighted_kl(model, batch, STUDENT, weight, top_k)
+        kl.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         wall, cpu = wall + time.perf_counter() - started, cpu + time.process_time() - started_cpu
-        losses.append(loss.item())
+        losses.append(kl.item())
         if step % max(1, steps // 10) == 0 or step == steps:
             log(f"step {step}/{steps}: training KL {sum(losses[-10:]) / len(losses[-10:]):.4f} ({wall:.0f} s)")
         if step in evaluate_at:
@@ -90,14 +92,14 @@ def distill_prompt(
     held_out_turns: Optional[Sequence[str]] = None,
     chat: bool = True,
     batch_size: int = 8,
-    lr: float = 3e-2,
+    lr: Optional[float] = None,
     samples_per_turn: int = 4,
     held_out_samples_per_turn: int = 2,
     max_new_tokens: int = 24,
     held_out_fraction: float = 0.2,
     sampled_turns: int = 64,
     seed: int = 0,
-    prompt_init: str = "text",
+    prompt_init: Optional[str] = None,
     evaluate_at: Sequence[int] = (),
     turns_per_part: int = 0,
     answer_weight: float = 0.0,
@@ -109,12 +111,17 @@ def distill_prompt(
     samples: Optional[DistillSamples] = None,
     progress: Optional[Callable[[str], None]] = None,
     prompt_level: str = "input",
+    self_study: bool = False,
+    kl_top_k: int = 0,
+    kv_frozen_positions: Optional[int] = None,
 ) -> PeftModel:
     """Train `num_virtual_tokens` soft tokens that make the frozen `model` behave as it does after `system_prompt`.
 
     Returns a PeftModel holding the student alone (adapter "default"; `save_pretrained` writes a normal adapter
     folder) with `model.distill_report` (a `DistillReport`). Its inputs are formatted by `student_inputs`.
+    `lr` and `prompt_init` left None take the measured defaults of `prompt_level` (`checks.LEVEL_DEFAULTS`).
     See docs/distillation.md."""
+    lr, prompt_init = level_defaults(prompt_level, lr, prompt_init)
     counts = dict(num_virtual_tokens=num_virtual_tokens, steps=steps, batch_size=batch_size)
     counts.update(samples_per_turn=samples_per_turn, held_out_samples_per_turn=held_out_samples_per_turn)
     counts.update(max_new_tokens=max_new_tokens, sampled_turns=sampled_turns)
@@ -124,6 +131,7 @@ def distill_prompt(
     problems = problems_of(
         model, user_turns, held_out_turns, counts, lr, held_out_fraction, prompt_init, evaluate_at, how
     ) + level_problems(prompt_level, prompt_init, in_system_turn, keep_text)
+    problems += study_problems(self_study, kl_top_k, kv_frozen_positions, prompt_level)
     if keep_text is not None and not distill_content.passage_of(keep_text, system_prompt):
         problems.append(
             f"`keep_text` must be a non-empty passage of `system_prompt` (spacing aside), got {keep_text!r:.80}. Copy "
@@ -150,6 +158,8 @@ def distill_prompt(
     chosen = prompt_init == "selected"  # attach from noise; the selection replaces it once the samples are drawn
     # A selected student's text reads on from where the whole system turn ended, as the teacher's does.
     level = {"prompt_level": prompt_level, **({"kv_text_start": len(prepared.prefix_ids)} if chosen else {})}
+    if kv_frozen_positions is not None:
+        level["kv_frozen_positions"] = kv_frozen_positions
     start = "random" if chosen else prompt_init
     config = distill_data.init_config(tokenizer, prepared, num_virtual_tokens, seed, start, **level)
     config.chat_format = "student" if chat else None  # how a server formats its messages (`student_inputs`)
@@ -167,7 +177,7 @@ def distill_prompt(
         torch.manual_seed(seed)
         if samples is None:
             began, began_cpu = time.perf_counter(), time.process_time()
-            draw = (turns, held_out_turns, probes, turns_per_part, greedy_part_replies, quote_parts)
+            draw = (turns, held_out_turns, probes, turns_per_part, greedy_part_replies, quote_parts, self_study)
             samples = _draw(model, tokenizer, prepared, draw, held_out_fraction, seed, counts, log)
             samples.seconds = (time.perf_counter() - began, time.process_time() - began_cpu)
     if chosen:
@@ -179,7 +189,7 @@ def distill_prompt(
         return distill_score.figures(model, samples, STUDENT, pad, stops, batch_size)
 
     curve, wall, cpu = _train(
-        model, samples, steps, batch_size, lr, seed, set(evaluate_at), evaluate, log, answer_weight
+        model, samples, steps, batch_size, lr, seed, set(evaluate_at), evaluate, log, (answer_weight, kl_top_k)
     )
     student = curve[-1].held_out if curve and curve[-1].step == steps else evaluate()
     kept_only = None
@@ -195,7 +205,7 @@ def distill_prompt(
     report = DistillReport(
         prepared.mode, len(prepared.prefix_ids), num_virtual_tokens, steps, batch_size, lr, seed, init, gap,
         student, none, wall, cpu, samples, curve, content, turns_per_part, answer_weight, greedy_part_replies,
-        quote_parts, kept_only, kept_content,
+        quote_parts, kept_only, kept_content, kl_top_k,
     )  # fmt: skip
     model.delete_adapter(TEACHER)
     if kept_only is not None:
@@ -220,12 +230,14 @@ def _draw(model, tokenizer, prepared, draw: tuple, fraction, seed, counts, log) 
     about each part of the system prompt too), continuations, greedy references, and the content probes (given, or
     one question per part in a form no training turn uses); with `greedy_part_replies`, each question about a part
     also trains on the teacher's greedy reply."""
-    turns, held_out_turns, probes, turns_per_part, greedy_part_replies, quote_parts = draw
+    turns, held_out_turns, probes, turns_per_part, greedy_part_replies, quote_parts, self_study = draw
     pad, stops, batch = _pad_id(model), prepared.stop_ids, counts["batch_size"]
     written = turns is None
     if written:
-        log(f"sampling {counts['sampled_turns']} user turns from the teacher")
-        turns = sample_turns(model, tokenizer, prepared, counts["sampled_turns"], batch, pad)
+        how = "self-study " if self_study else ""
+        log(f"sampling {counts['sampled_turns']} {how}user turns from the teacher")
+        write = self_study_turns if self_study else sample_turns
+        turns = write(model, tokenizer, prepared, counts["sampled_turns"], batch, pad)
     parts = distill_content.parts(prepared.system_prompt)
     drafted = [
         [q for q in part.questions(turns_per_part) if distill_data.fits(prepared, tokenizer, q)] for part in parts
@@ -253,6 +265,7 @@ def _draw(model, tokenizer, prepared, draw: tuple, fraction, seed, counts, log) 
         f"{counts['held_out_samples_per_turn']} for each of {len(held)} held-out turns"
     )
     out = DistillSamples(prepared.mode, prepared.prefix_ids, train, held_out, sampled_turns=written, probes=probes)
+    out.self_study = written and self_study
     out.drafted_probes = drafted_probes
     length = counts["max_new_tokens"]
     out.train = sample_continuations(model, suffixes, counts["samples_per_turn"], length, pad, stops, batch)

@@ -32,10 +32,15 @@ def scored_batch(samples: list[Sample], pad_id: int, device) -> ScoredBatch:
     return ScoredBatch({**kwargs, "logits_to_keep": keep}, scored.to(device))
 
 
-def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || student) = sum_v p_t (log p_t - log p_s) at each scored position: `[P]`, in float32."""
+def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, scored: torch.Tensor, top_k: int = 0):
+    """KL(teacher || student) = sum_v p_t (log p_t - log p_s) at each scored position: `[P]`, in float32. With
+    `top_k`, the teacher's distribution is cut to its `top_k` likeliest tokens and renormalised (as Cartridges train):
+    the student's full log-probabilities are read at those tokens only."""
     teacher = teacher_logits[scored].float().log_softmax(-1)  # [P, V]
     student = student_logits[scored].float().log_softmax(-1)  # [P, V]
+    if top_k:
+        top, index = teacher.topk(top_k, dim=-1)  # [P, k]
+        teacher, student = top.log_softmax(-1), student.gather(-1, index)  # [P, k] each
     return (teacher.exp() * (teacher - student)).sum(-1)  # [P]
 
 
@@ -50,12 +55,13 @@ def student_logits(model, batch: ScoredBatch, adapter: str) -> torch.Tensor:
     return model(**batch.kwargs, adapter_names=[adapter] * batch.scored.shape[0]).logits  # [B, K, V]
 
 
-def weighted_kl(model, batch: ScoredBatch, adapter: str, answer_weight: float) -> torch.Tensor:
+def weighted_kl(model, batch: ScoredBatch, adapter: str, answer_weight: float, top_k: int = 0) -> torch.Tensor:
     """The mean KL(teacher || student) over the batch's scored tokens; with `answer_weight` > 0 each token weighs
     `(1 - w) + w * d / mean(d)`, d its KL(teacher || no system prompt): the tokens the system prompt decides (its
-    facts, its refusals) count more than those any reply would have."""
+    facts, its refusals) count more than those any reply would have. `top_k` cuts the trained KL to the teacher's
+    likeliest tokens (`token_kl`); the weights always read the full distributions."""
     teacher = teacher_logits(model, batch)  # [B, K, V], no autograd
-    kl = token_kl(teacher, student_logits(model, batch, adapter), batch.scored)  # [P]
+    kl = token_kl(teacher, student_logits(model, batch, adapter), batch.scored, top_k)  # [P]
     if not answer_weight:
         return kl.mean()
     with torch.no_grad():
@@ -166,6 +172,7 @@ class DistillReport:
     quote_parts: int = 0
     kept_text: Optional[Figures] = None  # `keep_text` alone as the system turn, no soft tokens (None: nothing kept)
     kept_text_content: Optional[ContentScore] = None  # its content score, "student" being the kept text alone
+    kl_top_k: int = 0  # trained on the teacher's top-k tokens (0: its full distribution)
 
     @property
     def gap_closed(self) -> float:
@@ -183,6 +190,8 @@ class DistillReport:
             f"soft tokens: {self.steps} steps, batch {self.batch_size}, lr {self.lr:g}, seed {self.seed}, init "
             f"{self.init}, {len(rows.train)} training rows from {len(rows.train_turns)} user turns"
             f"{' the teacher wrote' if rows.sampled_turns else ''}"
+            + (" by self-study" if rows.self_study else "")
+            + (f", KL on the teacher's top {self.kl_top_k} tokens" if self.kl_top_k else "")
             + (" (and the teacher's greedy reply to each question about a part)" if self.greedy_part_replies else "")
             + (f" (and {self.quote_parts} quoting each part's own text)" if self.quote_parts else "")
             + f"; {self.train_seconds:.0f} s of training"

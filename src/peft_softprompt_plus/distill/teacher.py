@@ -78,6 +78,7 @@ class DistillSamples:
     held_out_prompts: list[list[int]] = field(default_factory=list)  # each held-out turn's suffix ids
     teacher_greedy: list[list[int]] = field(default_factory=list)  # [AGREEMENT_TOKENS] per held-out turn
     sampled_turns: bool = False
+    self_study: bool = False  # the teacher wrote its turns from SELF_STUDY_SEEDS
     seconds: Optional[tuple[float, float]] = None  # (wall, cpu) it took to draw them
     probes: list = field(default_factory=list)  # content.Probe: questions never trained on, scored for content
     probe_replies: dict = field(default_factory=dict)  # "teacher" / "none" -> greedy reply per probe, drawn once
@@ -153,6 +154,44 @@ def sample_turns(model, tokenizer, prepared: Prepared, count: int, batch_size: i
         raise ValueError(
             f"The teacher wrote only {len(turns)} distinct user turn(s) in {8 * (count // batch_size + 1)} rounds; "
             "pass `user_turns` (CLI: --user-file) instead."
+        )
+    return turns
+
+
+# Self-study (as in Cartridges): the teacher, reading the system prompt, is asked as its assistant to write a user's
+# message of one of five kinds; the messages become training turns that the teacher then answers. Written here, one
+# instruction per kind, so the turns cover the prompt's content in forms a user's own first line rarely takes.
+SELF_STUDY_SEEDS = {
+    "structuring": "Write one message a user could send you asking to arrange some of the information in your "
+    "instructions as a short list or table. Reply with the message only.",
+    "summarising": "Write one message a user could send you asking for a short summary of one part of the "
+    "information in your instructions. Reply with the message only.",
+    "questions": "Write one question a user could ask you whose answer is a fact stated in your instructions. Reply "
+    "with the question only.",
+    "use cases": "Think of a real situation in which someone needs the information in your instructions, and write "
+    "the message they would send you. Reply with the message only.",
+    "creative": "Write one playful or creative request a user could send you about the information in your "
+    "instructions. Reply with the request only.",
+}
+
+
+@torch.no_grad()
+def self_study_turns(model, tokenizer, prepared: Prepared, count: int, batch_size: int, pad_id: int) -> list[str]:
+    """`count` distinct user turns written by the teacher from SELF_STUDY_SEEDS, the kinds taken in turn; read from
+    the base on the hard ids, each seed instruction as the user's turn and the teacher's reply as the new turn."""
+    heads = [prepared.prefix_ids + prepared.suffix_ids(tokenizer, seed) for seed in SELF_STUDY_SEEDS.values()]
+    turns: list[str] = []
+    for round_ in range(8 * (count // batch_size + 1)):  # a model that repeats itself must not loop for ever
+        rows = [heads[(round_ * batch_size + i) % len(heads)] for i in range(batch_size)]
+        new = generate_rows(model, rows, BASE, pad_id, prepared.stop_ids, **sampling(TURN_TOKENS))
+        written = [cut_turn(tokenizer, prepared, row) for row in new]
+        turns = unique_turns(turns + [t for t in written if t and fits(prepared, tokenizer, t)])
+        if len(turns) >= count:
+            return turns[:count]
+    if len(turns) < 2:
+        raise ValueError(
+            f"The teacher wrote only {len(turns)} distinct self-study turn(s) in {8 * (count // batch_size + 1)} "
+            "rounds; pass `user_turns` (CLI: --user-file) instead."
         )
     return turns
 
