@@ -24,6 +24,7 @@ from typing import Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import _suite_kv as kv  # noqa: E402
 import bench_quality as q  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -89,16 +90,17 @@ def _variant(name: str, task: str) -> q.Variant:
     return EXTRA.get(name) or q.VARIANTS[name]
 
 
-def run_one(spec: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...], path: str) -> dict:
-    """One arm on one task; `spec` is a task name, `name:chat` for its chat form."""
+def run_one(spec: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...], path: str, lr=None) -> dict:
+    """One arm on one task; `spec` is a task name, `name:chat` for its chat form; `lr` a KV arm's (None: its own)."""
     task, _, form_name = spec.partition(":")
-    variant = _variant(name, task)
+    variant, copied = kv.variant(name, task, lr) if name in kv.VARIANTS else (_variant(name, task), False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     form = suite.form_of(form_name or "plain", tokenizer)
     split = suite.load_task(task)
     base = AutoModelForCausalLM.from_pretrained(path).eval()
     torch.manual_seed(seed)
-    record = {"task": spec, "variant": name, "lr": variant.lr, "seed": seed, "threads": torch.get_num_threads()}
+    tag = name if lr is None else f"{name}-lr{lr:g}"  # a swept learning rate is its own arm in the report
+    record = {"task": spec, "variant": tag, "lr": variant.lr, "seed": seed, "threads": torch.get_num_threads()}
     start = time.perf_counter()
     if variant.build is None:
         prefix = _shots(split, seed, variant.shots, form)
@@ -107,6 +109,7 @@ def run_one(spec: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...
     else:
         model = variant.build(base, seed, tokenizer, split)
         exact = q._copied_prompt_scorer(path, tokenizer, split) if variant.peft_prompt else (lambda m: m)
+        exact = kv.copied_kv_scorer(path) if copied else exact
         items, validation = [], []
 
         def score(m) -> float:
@@ -122,6 +125,8 @@ def run_one(spec: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...
             items=items,
             validation=validation,
         )
+        if copied:
+            record["agrees"] = kv.agrees(model, exact, tokenizer, split, form)
         if name == "ours-vocab":
             model.save_pretrained(os.path.join(ADAPTERS, f"{spec}-{name}-{seed}".replace(":", "-")))
     record["total_seconds"] = time.perf_counter() - start
@@ -136,7 +141,7 @@ def cmd_run(args) -> None:
     for seed in (int(s) for s in args.seeds.split(",")):
         for task in args.tasks.split(","):
             for name in args.variants.split(","):
-                record = run_one(task, name, seed, args.steps, eval_at, path)
+                record = run_one(task, name, seed, args.steps, eval_at, path, args.lr)
                 with open(args.out, "a", encoding="utf-8") as handle:
                     handle.write(json.dumps(record) + "\n")
                 final = sum(record["items"][-1]) / len(record["items"][-1])
@@ -296,6 +301,7 @@ def main() -> None:
     run.add_argument("--steps", type=int, default=STEPS)
     run.add_argument("--eval-at", default=",".join(map(str, EVAL_AT)))
     run.add_argument("--threads", type=int, default=1)
+    run.add_argument("--lr", type=float, default=None, help=f"the KV arms' learning rate (default {kv.KV_LR})")
     run.add_argument("--out", default=OUT)
     report = sub.add_parser("report")
     report.add_argument("--out", default=OUT)
