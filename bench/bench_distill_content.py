@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from _distill_table import table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus import distill_prompt
@@ -83,6 +84,9 @@ ARMS = {
     "KV, selected start, 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, *_KV, "selected"),
     "KV, text start, 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, *_KV, "text"),
 }
+ARMS["+ 3 turns per part, answer weight 0.5, N=32, facts kept as hard text"] = (3, 0.5, 32, False, False, 0, True)
+for _n in (8, 16, 64, 128):  # the N curve of the KV student
+    ARMS[f"KV, selected start, 3 turns per part, answer weight 0.5, N={_n}"] = (3, 0.5, _n, *_KV, "selected")
 DEFAULT_ARMS = list(ARMS)[:3]
 
 
@@ -240,6 +244,7 @@ def main() -> None:
     parser.add_argument(
         "--score-only", action="store_true", help="score the arms' adapters saved by an earlier run on the user probes"
     )
+    parser.add_argument("--table", action="store_true", help="print every recorded arm on --prompt over its seeds")
     args = parser.parse_args()
     names = args.arm or DEFAULT_ARMS
     unknown = [name for name in names if name not in ARMS]
@@ -255,6 +260,8 @@ def main() -> None:
     system_prompt = (data / "system_prompt.txt").read_text().strip()
     results, teacher_replies = {}, {}
     OUT.mkdir(exist_ok=True)
+    if args.table:
+        return print(table(OUT / "distill_content.jsonl", data.name if args.prompt else DATA.name, data))
     if args.score_only:
         return _score_only(names, args.seed, path, tokenizer, data, system_prompt, _knobs(args))
     for name in names:
@@ -301,6 +308,7 @@ def main() -> None:
                 student=kept_only.student, kept=kept_only.kept, gap_closed=report.kept_text_gap_closed,
             ),
             curve={p.step: round(gap_closed(p.held_out, report.none), 4) for p in report.curve},
+            train_cpu=report.train_cpu_seconds,
         )  # fmt: skip
         figures = {k: v for k, v in results[name].items() if k != "replies"}
         with open(OUT / "distill_content.jsonl", "a") as log:

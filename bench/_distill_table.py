@@ -1,0 +1,120 @@
+"""bench_distill_content.py's table (`--table`): every recorded arm on one prompt, side by side, over its seeds.
+
+- KL gap closed on the held-out turns: mean with a 95% t-interval over seeds (one seed: the value alone).
+- Content kept on the prompt folder's user probes (hand-written questions with their facts), refusal probes aside:
+  (student - none) / (teacher - none) on the facts each question needs, with a 95% bootstrap interval over seeds
+  and questions.
+- Refusals: the share of off-topic probes (`"kind": "refusal"`) whose reply carries the refusal's words (the
+  probe's facts), teacher against student.
+- CPU seconds of training, and the KL gap closed at the cheapest arm's CPU budget where the arm's curve reaches it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from peft_softprompt_plus.distill.content import words
+
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57}  # two-sided 95% t quantiles by degrees of freedom
+
+
+def knobs(record: dict) -> str:
+    """The recipe of a record beyond its arm's name: its learning rate (or "untrained"), steps and flags."""
+    if record["lr"] < 1e-6:
+        return "untrained"
+    tags = [f"lr {record['lr']:g}", f"{record['steps']} steps"]
+    tags += [
+        "self-study" if record.get("self_study") else "",
+        f"top {record['kl_top_k']}" if record.get("kl_top_k") else "",
+    ]
+    sink = record.get("kv_frozen_positions")
+    return ", ".join(t for t in tags + [f"sink {sink}" if sink is not None else ""] if t)
+
+
+def _mean_interval(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return f"{mean:.1%}"
+    half = T95.get(len(values) - 1, 2.0) * statistics.stdev(values) / len(values) ** 0.5
+    return f"{mean:.1%} [{mean - half:.1%}, {mean + half:.1%}]"
+
+
+def _shares(record: dict, refusals: set[str]) -> tuple[list[dict], list[dict]]:
+    """Per question: each reader's share of the facts (content probes), or whether it carried them all (refusals)."""
+    content, steered = [], []
+    for row in record["user_replies"]:
+        facts = set().union(*(words(fact) for fact in row["facts"]))
+        share = {r: len(words(row[r]) & facts) / len(facts) for r in ("teacher", "student", "none")}
+        (steered if row["question"] in refusals else content).append(share)
+    return content, steered
+
+
+def _kept(runs: list[list[dict]]) -> float:
+    mean = {r: statistics.fmean(s[r] for run in runs for s in run) for r in ("teacher", "student", "none")}
+    gain = mean["teacher"] - mean["none"]
+    return (mean["student"] - mean["none"]) / gain if gain > 0 else float("nan")
+
+
+def _kept_interval(runs: list[list[dict]], draws: int = 2000) -> str:
+    rng, values = random.Random(0), []
+    for _ in range(draws):
+        seeds = [rng.choice(runs) for _ in runs]
+        values.append(_kept([[rng.choice(run) for _ in run] for run in seeds]))
+    values = sorted(v for v in values if v == v)
+    return f"{_kept(runs):.0%} [{values[int(0.025 * len(values))]:.0%}, {values[int(0.975 * len(values)) - 1]:.0%}]"
+
+
+def table(log: Path, prompt: str, data: Path) -> str:
+    """The Markdown table of every arm recorded in `log` on the prompt folder `prompt` (its name; "" the top one)."""
+    probes = [json.loads(line) for line in (data / "user_probes.jsonl").read_text().splitlines() if line.strip()]
+    refusals = {p["question"] for p in probes if p.get("kind") == "refusal"}
+    arms = defaultdict(list)
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("prompt") == prompt and not record.get("score_only") and "user_replies" in record:
+            arms[(record["arm"], knobs(record))].append(record)
+    trained = [rs for (_, tag), rs in arms.items() if tag != "untrained"] or [[{"seconds": 0.0}]]
+    budget = min(statistics.median(r.get("train_cpu", r["seconds"]) for r in rs) for rs in trained)
+    lines = [
+        f"prompt {prompt or '(top)'}: {len(probes) - len(refusals)} content probes, {len(refusals)} refusal probes; "
+        f"equal CPU time = {budget:.0f} s of training",
+        "| arm | seeds | KL gap closed | content kept | refusals steered: teacher / student | kept text alone: gap / "
+        "content | CPU s (train) | gap at equal CPU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (arm, tag), rs in sorted(arms.items()):
+        runs = [_shares(r, refusals) for r in rs]
+        content, steered = [c for c, _ in runs], [s for _, s in runs]
+        flat = [s for run in steered for s in run]
+        rate = {r: statistics.fmean(s[r] == 1 for s in flat) if flat else 0.0 for r in ("teacher", "student")}
+        refuse = "–" if not flat else f"{rate['teacher']:.0%} / {rate['student']:.0%}"
+        alone = [r["kept_text_only"] for r in rs if r.get("kept_text_only")]
+        alone_gap, alone_kept = (
+            statistics.fmean(a[k] for a in alone) if alone else 0.0 for k in ("gap_closed", "kept")
+        )
+        alone_text = "–" if not alone else f"{alone_gap:.1%} / {alone_kept:.0%}"
+        cpu = statistics.median(r.get("train_cpu", r["seconds"]) for r in rs)
+        at_budget = _at_budget(rs, budget)
+        lines.append(
+            f"| {arm}{' (' + tag + ')' if tag else ''} | {len(rs)} | "
+            f"{_mean_interval([r['gap_closed'] for r in rs])} | {_kept_interval(content)} | {refuse} | "
+            f"{alone_text} | {cpu:.0f} | {at_budget} |"
+        )
+    return "\n".join(lines)
+
+
+def _at_budget(records: list[dict], budget: float) -> str:
+    """The held-out gap closed at the last curve point within `budget` CPU seconds (steps at the arm's own rate)."""
+    values = []
+    for r in records:
+        per_step = r.get("train_cpu", r["seconds"]) / r["steps"]
+        points = [
+            (int(step), gap) for step, gap in r.get("curve", {}).items() if int(step) * per_step <= budget * 1.02
+        ]
+        if points:
+            values.append(max(points)[1])
+    return "–" if not values else f"{statistics.fmean(values):.1%}"
