@@ -50,11 +50,11 @@ def test_attention_scores_are_the_base_model_s_own_weights(tok, chat_dir):  # no
     model = distill_prompt(base, tok, SYSTEM, num_virtual_tokens=4, prompt_level="kv", user_turns=USERS,
                            held_out_turns=HELD_OUT, **{**KW, "steps": 1})  # fmt: skip
     prefix, text = [5, 6, 7, 8, 9], [10, 11, 12]
-    scores = kv_start.attention_scores(model, prefix, [text], kv_heads=2)  # [layers, Hkv, P]
+    scores = kv_start.attention_scores(model, prefix, [(text, 1)], kv_heads=2)  # [layers, Hkv, P], queries 1..
     reference = AutoModelForCausalLM.from_pretrained(chat_dir, attn_implementation="eager").eval()
     with torch.no_grad():
         weights = reference(input_ids=torch.tensor([prefix + text]), output_attentions=True).attentions
-    expected = torch.stack([w[0, :, 5:, :5].sum(1).view(2, 2, 5).sum(1) for w in weights])
+    expected = torch.stack([w[0, :, 6:, :5].sum(1).view(2, 2, 5).sum(1) for w in weights])
     torch.testing.assert_close(scores, expected)
     assert model.get_base_model().config._attn_implementation != "eager"  # put back
 

@@ -25,9 +25,10 @@ def prompt_cache(model, prefix_ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def attention_scores(model, prefix_ids: list[int], texts: list[list[int]], kv_heads: int) -> torch.Tensor:
-    """How much attention the queries of `texts` (each read after the system turn) pay each system-turn position,
-    summed over queries, texts and the query heads that share a key/value head: `[layers, Hkv, P]`."""
+def attention_scores(model, prefix_ids: list[int], texts: list[tuple[list[int], int]], kv_heads: int) -> torch.Tensor:
+    """How much attention the queries of `texts` (each `(ids, first)`, read after the system turn; its queries from
+    index `first` on: the reply's, where the system prompt's facts are read) pay each system-turn position, summed
+    over queries, texts and the query heads that share a key/value head: `[layers, Hkv, P]`."""
     base = model.get_base_model()
     before = base.config._attn_implementation
     base.set_attn_implementation("eager")  # the only implementation that returns attention weights
@@ -35,10 +36,10 @@ def attention_scores(model, prefix_ids: list[int], texts: list[list[int]], kv_he
     device = base.get_input_embeddings().weight.device
     try:
         with model.disable_adapter():
-            for text in texts:
+            for text, first in texts:
                 ids = torch.tensor([prefix_ids + list(text)], device=device)
                 weights = base(input_ids=ids, output_attentions=True).attentions  # layers x [1, H, T, T]
-                rows = torch.stack([w[0, :, p:, :p].float().sum(1) for w in weights])  # [layers, H, P]
+                rows = torch.stack([w[0, :, p + first :, :p].float().sum(1) for w in weights])  # [layers, H, P]
                 grouped = rows.view(rows.shape[0], kv_heads, -1, p).sum(2)  # [layers, Hkv, P]
                 total = grouped if total is None else total + grouped
     finally:

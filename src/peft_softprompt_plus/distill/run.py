@@ -35,6 +35,7 @@ from .teacher import (
     unique_turns,
 )
 
+SELECTION_ROWS = 96  # training rows whose attention chooses a `selected` start
 STUDENT = "default"  # PEFT saves the adapter named "default" at the folder's top level: a normal adapter folder
 
 
@@ -220,7 +221,10 @@ def distill_prompt(
 def _select(model, prefix_ids: list[int], samples: DistillSamples, n: int, frozen: int) -> None:
     """The `selected` start: the student's N positions, the system turn's most attended by the training texts."""
     heads = model.base_model.forward_state.kv_layout.heads
-    scores = kv_start.attention_scores(model, prefix_ids, [s.ids for s in samples.train[:32]], heads)
+    # Rows spread over every kind of training turn (the teacher's own, the questions about each part), scored by the
+    # attention their replies pay: the positions a reply reads its facts from.
+    rows = samples.train[:: max(1, len(samples.train) // SELECTION_ROWS)][:SELECTION_ROWS]
+    scores = kv_start.attention_scores(model, prefix_ids, [(s.ids, s.first) for s in rows], heads)
     values = kv_start.selected(kv_start.prompt_cache(model, prefix_ids), scores, n, frozen)
     kv_start.install(model, STUDENT, values)
 
