@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import _cartridge_arm
 import torch
 from _distill_table import table
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -85,6 +86,7 @@ ARMS = {
     "KV, text start, 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, *_KV, "text"),
 }
 ARMS["+ 3 turns per part, answer weight 0.5, N=32, facts kept as hard text"] = (3, 0.5, 32, False, False, 0, True)
+ARMS["PEFT CARTRIDGE, text start, 3 turns per part, answer weight 0.5, N=32"] = (3, 0.5, 32, *_KV, "text")
 for _n in (8, 16, 64, 128):  # the N curve of the KV student
     ARMS[f"KV, selected start, 3 turns per part, answer weight 0.5, N={_n}"] = (3, 0.5, _n, *_KV, "selected")
 DEFAULT_ARMS = list(ARMS)[:3]
@@ -277,6 +279,15 @@ def main() -> None:
                 prepared = prepare(tokenizer, system_prompt, True, n)
                 samples.train += quoted_rows(tokenizer, prepared, parts(system_prompt), quotes)
         args.fresh = False  # drawn once per run
+        if name.startswith("PEFT CARTRIDGE"):
+            folder = _adapter_dir(data, name + _knobs(args), args.seed)
+            scorers = (_held_out_gaps, lambda *a: _user_probes(*a, teacher_replies), folder)
+            results[name] = _cartridge_arm.arm(args, path, tokenizer, data, system_prompt, samples, n, weight, scorers)
+            results[name]["user_probes"]["kept_95"] = _kept_interval(results[name]["user_replies"])
+            with open(OUT / "distill_content.jsonl", "a") as log:
+                log.write(json.dumps({"arm": name, **results[name]}) + "\n")
+            print(f"{name}: gap {results[name]['gap_closed']:.1%}, copy gap {results[name]['copy_gap']:.1e}")
+            continue
         began = time.perf_counter()
         model = distill_prompt(
             AutoModelForCausalLM.from_pretrained(path), tokenizer, system_prompt,

@@ -55,13 +55,15 @@ def student_logits(model, batch: ScoredBatch, adapter: str) -> torch.Tensor:
     return model(**batch.kwargs, adapter_names=[adapter] * batch.scored.shape[0]).logits  # [B, K, V]
 
 
-def weighted_kl(model, batch: ScoredBatch, adapter: str, answer_weight: float, top_k: int = 0) -> torch.Tensor:
+def weighted_kl(model, batch: ScoredBatch, adapter: str, answer_weight: float, top_k: int = 0, student=None):
     """The mean KL(teacher || student) over the batch's scored tokens; with `answer_weight` > 0 each token weighs
     `(1 - w) + w * d / mean(d)`, d its KL(teacher || no system prompt): the tokens the system prompt decides (its
     facts, its refusals) count more than those any reply would have. `top_k` cuts the trained KL to the teacher's
-    likeliest tokens (`token_kl`); the weights always read the full distributions."""
+    likeliest tokens (`token_kl`); the weights always read the full distributions. `student`: the student's logits
+    `[B, K, V]` computed elsewhere (another library's model trained by this loop), else `adapter`'s."""
     teacher = teacher_logits(model, batch)  # [B, K, V], no autograd
-    kl = token_kl(teacher, student_logits(model, batch, adapter), batch.scored, top_k)  # [P]
+    student = student_logits(model, batch, adapter) if student is None else student
+    kl = token_kl(teacher, student, batch.scored, top_k)  # [P]
     if not answer_weight:
         return kl.mean()
     with torch.no_grad():
