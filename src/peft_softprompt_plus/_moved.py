@@ -56,14 +56,16 @@ MOVED = {  # 0.2.0 module -> its 0.3.0 home (`distill` is now the distillation p
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _user_stacklevel() -> int:
-    """The `stacklevel`, for a `warnings.warn` in `warn_moved`, of the first frame outside importlib and this
-    package: the user's import line. `warnings` itself skips importlib's bootstrap frames without counting them."""
-    frame, level = sys._getframe(2), 2
+def user_stacklevel(libraries: tuple[str, ...] = (), helpers: int = 0) -> int:
+    """The `stacklevel` of the first frame outside importlib, this package and the folders `libraries` (torch,
+    PEFT...): the user's own line, for the `warnings.warn` of the function that calls this (through `helpers` frames
+    of its own). `warnings` itself skips importlib's bootstrap frames without counting them; so does this."""
+    frame, level = sys._getframe(2 + helpers), 2  # level 2: the caller of the function that warns
     while frame is not None:
         name = frame.f_code.co_filename
         internal = "importlib" in name and "_bootstrap" in name  # as `warnings` tells them
-        if not internal and not name.startswith(_HERE) and os.path.basename(os.path.dirname(name)) != "importlib":
+        ours = name.startswith((_HERE, *libraries)) or os.path.basename(os.path.dirname(name)) == "importlib"
+        if not internal and not ours:
             return level
         frame, level = frame.f_back, level + (0 if internal else 1)
     return level
@@ -74,7 +76,7 @@ def warn_moved(old: str, new: str) -> None:
         f"`{old}` moved to `{new}` in 0.3.0; the old path works until {REMOVED_IN}. Import the new path, or the "
         f"public names from `{PACKAGE}` itself.",
         FutureWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
 
 

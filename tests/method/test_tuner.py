@@ -220,18 +220,19 @@ def test_unknown_adapter_messages_start_with_peft_s_own(make_base, make_peft, me
     assert "adapters: ['default']" in str(ours.value)
 
 
-def test_the_0_1_accessor_still_reaches_the_prompt_with_a_deprecation_warning(make_peft, tmp_path):
+def test_the_0_1_accessor_still_reaches_the_prompt_with_a_future_warning_at_the_user_s_line(make_peft, tmp_path):
     model = make_peft()
     model.add_adapter("other", SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, init_seed=1))
     keys, params = list(model.state_dict()), [n for n, _ in model.named_parameters()]
     modules = [n for n, _ in model.named_modules()]
-    with pytest.warns(DeprecationWarning, match=r"removed in 0\.4\.0; use `model\.base_model\.prompt\(name\)`") as w:
+    with pytest.warns(FutureWarning, match=r"removed in 0\.4\.0; use `model\.base_model\.prompt\(name\)`") as w:
         legacy = model.base_model.softprompt_plus.prompt
     assert w[0].filename == __file__  # points at the caller's line
     assert legacy is model.base_model.prompt_bank.prompts
     assert [legacy[n] is model.base_model.prompt(n) for n in ("default", "other")] == [True, True]
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(FutureWarning) as w:
         assert model.softprompt_plus.prompt["default"] is legacy["default"]  # through PEFT's attribute forwarding
+    assert w[0].filename == __file__
     # Nothing new is registered: state dict, parameters, modules and the saved file are as before.
     assert list(model.state_dict()) == keys and [n for n, _ in model.named_parameters()] == params
     assert [n for n, _ in model.named_modules()] == modules

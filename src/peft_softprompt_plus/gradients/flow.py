@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import numbers
 import os
-import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
@@ -17,6 +16,7 @@ import torch
 import transformers
 from torch import nn
 
+from .._moved import user_stacklevel
 from ..method.tasks import task_of
 from .checks import run_checks
 from .evidence import Evidence, has_graph, prompts_of, static_evidence, tuners_of
@@ -229,10 +229,7 @@ _LIBRARIES = tuple(os.path.dirname(m.__file__) for m in (torch, peft, transforme
 
 def _user_stacklevel() -> int:
     """The `stacklevel` that points a warning at the first frame outside torch/PEFT/transformers/this package."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
-        frame, level = frame.f_back, level + 1
-    return level
+    return user_stacklevel(_LIBRARIES, helpers=1)
 
 
 def _warn(report: GradientFlowReport) -> None:

@@ -4,11 +4,18 @@ in a frozen tensor of their own). The positions are dimension -2 of both."""
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Optional
 
+import peft
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
+
+from .._moved import user_stacklevel
+
+_LIBRARIES = tuple(os.path.dirname(m.__file__) for m in (torch, peft))  # frames a deprecation warning looks past
 
 
 class SoftPromptBank(nn.Module, BaseTunerLayer):
@@ -137,3 +144,16 @@ class LegacyBankView:
     @property
     def prompt(self) -> nn.ParameterDict:
         return self._bank.prompts
+
+
+def legacy_view(bank: SoftPromptBank) -> LegacyBankView:
+    """`model.base_model.softprompt_plus` (0.1's accessor), with a FutureWarning at the user's line: a
+    DeprecationWarning would be silent outside `__main__` (PEP 565); the frame walk looks past PEFT's attribute
+    forwarding too."""
+    warnings.warn(
+        "`model.base_model.softprompt_plus.prompt[name]` is deprecated and will be removed in 0.4.0; use "
+        "`model.base_model.prompt(name)`, the same float32 Parameter.",
+        FutureWarning,
+        stacklevel=user_stacklevel(_LIBRARIES),
+    )
+    return LegacyBankView(bank)

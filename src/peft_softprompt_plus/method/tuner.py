@@ -6,7 +6,6 @@ PEFT calls into it as it would into LoRA; the prompt itself lives in a `SoftProm
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Optional
 
 import torch
@@ -23,7 +22,7 @@ from ..forward.state import ForwardState
 from ..gradients import flow as gradient_flow
 from . import kv_prompt, placement, precision, reparam, tying
 from .config import ForwardPath, PromptLevel
-from .prompt_bank import LegacyBankView, SoftPromptBank
+from .prompt_bank import LegacyBankView, SoftPromptBank, legacy_view
 from .prompt_init import initial_prompt, placeholder
 from .tasks import count_label_zero, task_of
 
@@ -231,13 +230,7 @@ class SoftPromptPlusModel(BaseTuner):
     @property
     def softprompt_plus(self) -> LegacyBankView:
         """Deprecated since 0.2 and removed in 0.4.0: `softprompt_plus.prompt[name]` is `prompt(name)`."""
-        warnings.warn(
-            "`model.base_model.softprompt_plus.prompt[name]` is deprecated and will be removed in 0.4.0; use "
-            "`model.base_model.prompt(name)`, the same float32 Parameter.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return LegacyBankView(self.prompt_bank)
+        return legacy_view(self.prompt_bank)
 
     def prompt_for_use(self, adapter_name: routing.Entry) -> torch.Tensor:
         """The prompt the model reads, cast to the embedding's dtype/device at the point of use, so the gradient of
