@@ -66,8 +66,9 @@ def train(path: str, tokenizer, system_prompt: str, samples, n: int, steps: int,
 
 
 def arm(args, path, tokenizer, data, system_prompt, samples, n: int, weight: float, scorers) -> dict:
-    """The arm's record for bench_distill_content.py; `scorers`: its (held-out gaps, user probes, saved folder)."""
-    held_out_gaps, user_probes, folder = scorers
+    """The arm's record for bench_distill_content.py; `scorers`: its (held-out gaps, user probes, saved folder, recipe
+    flags)."""
+    held_out_gaps, user_probes, folder, knobs = scorers
     if samples is None:
         raise SystemExit("the PEFT CARTRIDGE arm trains on a seed's kept samples: run a KV arm of this seed first")
     lr = 3e-3 if args.lr is None else args.lr  # the KV student's default
@@ -82,5 +83,5 @@ def arm(args, path, tokenizer, data, system_prompt, samples, n: int, weight: flo
         seconds=time.perf_counter() - began, seed=args.seed, steps=args.steps, lr=lr, samples_reused=True,
         max_new_tokens=args.max_new_tokens, self_study=args.self_study, kl_top_k=0, kv_frozen_positions=1,
         user_probes=dict(probes=u.probes, teacher=u.teacher, student=u.student, none=u.none, kept=u.kept),
-        user_replies=u.replies, kept_text_only=None, curve={}, **figures,
+        user_replies=u.replies, kept_text_only=None, curve={}, knobs=knobs, **figures,
     )  # fmt: skip

@@ -24,15 +24,15 @@ T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57}  # two-sided 95% t quantile
 
 def knobs(record: dict) -> str:
     """The recipe of a record beyond its arm's name: its learning rate (or "untrained"), steps and flags."""
-    if record["lr"] < 1e-6:
-        return "untrained"
-    tags = [f"lr {record['lr']:g}", f"{record['steps']} steps"]
-    tags += [
-        "self-study" if record.get("self_study") else "",
-        f"top {record['kl_top_k']}" if record.get("kl_top_k") else "",
-    ]
-    sink = record.get("kv_frozen_positions")
-    return ", ".join(t for t in tags + [f"sink {sink}" if sink is not None else ""] if t)
+    tags = ["untrained"] if record["lr"] < 1e-6 else [f"lr {record['lr']:g}", f"{record['steps']} steps"]
+    if record["lr"] >= 1e-6:
+        tags += ["self-study" if record.get("self_study") else ""]
+        tags += [f"top {record['kl_top_k']}" if record.get("kl_top_k") else ""]
+        sink = record.get("kv_frozen_positions")
+        tags += [f"sink {sink}" if sink is not None else ""]
+    if "selected" in record["arm"] and not record.get("kv_selection"):
+        tags.append("first 32 rows' attention")  # the selection before it read replies over every kind of row
+    return ", ".join(t for t in tags if t)
 
 
 def _mean_interval(values: list[float]) -> str:
@@ -72,11 +72,21 @@ def table(log: Path, prompt: str, data: Path) -> str:
     """The Markdown table of every arm recorded in `log` on the prompt folder `prompt` (its name; "" the top one)."""
     probes = [json.loads(line) for line in (data / "user_probes.jsonl").read_text().splitlines() if line.strip()]
     refusals = {p["question"] for p in probes if p.get("kind") == "refusal"}
-    arms = defaultdict(list)
+    arms, rescored = defaultdict(list), {}
     for line in log.read_text().splitlines():
         record = json.loads(line)
-        if record.get("prompt") == prompt and not record.get("score_only") and "user_replies" in record:
+        if record.get("prompt") != prompt:
+            continue
+        if record.get("score_only") and record.get("held_out_gap_closed"):  # on the standard samples' held-out turns
+            rescored[(record["arm"], record.get("knobs", ""), record["seed"])] = record["held_out_gap_closed"][
+                "student"
+            ]
+        elif not record.get("score_only") and "user_replies" in record:
             arms[(record["arm"], knobs(record))].append(record)
+    for rs in arms.values():  # a self-study arm's own held-out turns are its own kind: read the standard ones
+        for r in rs:
+            if r.get("self_study"):
+                r["gap_closed"] = rescored.get((r["arm"], r.get("knobs", " self-study"), r["seed"]), float("nan"))
     trained = [rs for (_, tag), rs in arms.items() if tag != "untrained"] or [[{"seconds": 0.0}]]
     budget = min(statistics.median(r.get("train_cpu", r["seconds"]) for r in rs) for rs in trained)
     lines = [

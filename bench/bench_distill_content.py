@@ -203,7 +203,7 @@ def _score_only(names, seed, path, tokenizer, data: Path, system_prompt: str, kn
         kl = None if samples is None else _held_out_gaps(model, tokenizer, system_prompt, samples, keep_text)
         u, kept_only = _user_probes(model, tokenizer, data, system_prompt, teacher_replies, keep_text)
         figures = dict(
-            arm=name + knobs, prompt=data.name, seed=seed, score_only=True, held_out_gap_closed=kl,
+            arm=name, knobs=knobs, prompt=data.name, seed=seed, score_only=True, held_out_gap_closed=kl,
             user_probes=dict(
                 probes=u.probes, teacher=u.teacher, student=u.student, none=u.none, kept=u.kept,
                 kept_95=_kept_interval(u.replies),
@@ -281,7 +281,7 @@ def main() -> None:
         args.fresh = False  # drawn once per run
         if name.startswith("PEFT CARTRIDGE"):
             folder = _adapter_dir(data, name + _knobs(args), args.seed)
-            scorers = (_held_out_gaps, lambda *a: _user_probes(*a, teacher_replies), folder)
+            scorers = (_held_out_gaps, lambda *a: _user_probes(*a, teacher_replies), folder, _knobs(args))
             results[name] = _cartridge_arm.arm(args, path, tokenizer, data, system_prompt, samples, n, weight, scorers)
             results[name]["user_probes"]["kept_95"] = _kept_interval(results[name]["user_replies"])
             with open(OUT / "distill_content.jsonl", "a") as log:
@@ -319,7 +319,8 @@ def main() -> None:
                 student=kept_only.student, kept=kept_only.kept, gap_closed=report.kept_text_gap_closed,
             ),
             curve={p.step: round(gap_closed(p.held_out, report.none), 4) for p in report.curve},
-            train_cpu=report.train_cpu_seconds,
+            train_cpu=report.train_cpu_seconds, knobs=_knobs(args),
+            kv_selection="replies" if init == "selected" else None,
         )  # fmt: skip
         figures = {k: v for k, v in results[name].items() if k != "replies"}
         with open(OUT / "distill_content.jsonl", "a") as log:
