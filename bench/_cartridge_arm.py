@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from peft_softprompt_plus.distill import data as distill_data
 from peft_softprompt_plus.distill import kv_start
 from peft_softprompt_plus.distill import score as distill_score
+from peft_softprompt_plus.distill.checks import LEVEL_DEFAULTS
 from peft_softprompt_plus.distill.run import STUDENT, _batches
 from peft_softprompt_plus.distill.teacher import TEACHER, attach_teacher
 
@@ -71,7 +72,7 @@ def arm(args, path, tokenizer, data, system_prompt, samples, n: int, weight: flo
     held_out_gaps, user_probes, folder, knobs = scorers
     if samples is None:
         raise SystemExit("the PEFT CARTRIDGE arm trains on a seed's kept samples: run a KV arm of this seed first")
-    lr = 3e-3 if args.lr is None else args.lr  # the KV student's default
+    lr = LEVEL_DEFAULTS["kv"]["lr"] if args.lr is None else args.lr  # the KV student's default
     began = time.perf_counter()
     model, figures = train(path, tokenizer, system_prompt, samples, n, args.steps, lr, args.seed, weight)
     model.save_pretrained(folder)

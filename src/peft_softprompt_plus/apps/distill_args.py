@@ -80,7 +80,7 @@ def add_parser(sub) -> None:
         "--lr",
         type=float,
         default=None,
-        help="AdamW learning rate (default: 0.03 for an input student, 0.003 for a KV one; docs/distillation.md).",
+        help="AdamW learning rate (default: 0.03 for an input student, 0.001 for a KV one; docs/distillation.md).",
     )
     distill.add_argument("--seed", type=int, default=0, help="Random seed (default 0).")
     distill.add_argument(

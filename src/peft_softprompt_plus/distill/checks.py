@@ -7,7 +7,7 @@ from . import content as distill_content
 
 INITS = {"input": ("text", "vocab", "random"), "kv": ("text", "vocab", "random", "selected")}
 # What `lr=None` and `prompt_init=None` mean for each student form: the recipe measured best in bench/RESULTS.md.
-LEVEL_DEFAULTS = {"input": {"lr": 3e-2, "prompt_init": "text"}, "kv": {"lr": 3e-3, "prompt_init": "selected"}}
+LEVEL_DEFAULTS = {"input": {"lr": 3e-2, "prompt_init": "text"}, "kv": {"lr": 1e-3, "prompt_init": "selected"}}
 
 
 def level_defaults(prompt_level, lr, prompt_init) -> tuple:
