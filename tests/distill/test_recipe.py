@@ -64,6 +64,7 @@ def test_each_student_form_takes_its_measured_defaults_and_a_given_value_wins(to
         report, config = model.distill_report, model.peft_config["default"]
         assert report.lr == defaults["lr"] and config.prompt_level == level
         assert ("selected" in report.init) == (defaults["prompt_init"] == "selected")
+        assert report.samples.self_study is False  # given turns: nothing for the teacher to write
     model = distill_prompt(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, prompt_level="kv", lr=0.5,
                            prompt_init="text", kv_frozen_positions=0, kl_top_k=5, user_turns=USERS,
                            held_out_turns=HELD_OUT, **KW)  # fmt: skip
@@ -105,3 +106,11 @@ def test_cli_maps_the_recipe_flags_and_refuses_a_negative_top_k(chat_dir, tmp_pa
     assert PeftModel.from_pretrained(_base(chat_dir), out).peft_config["default"].kv_frozen_positions == 2
     assert cli_main(argv + ["--kl-top-k", "-1"]) == 2
     assert "`--kl-top-k` must be an int >= 0" in capsys.readouterr().err
+
+
+def test_a_kv_student_writes_its_turns_by_self_study_unless_told_not_to(tok, chat_dir):  # noqa: F811
+    kw = {**KW, "num_virtual_tokens": 4, "sampled_turns": 6}
+    for level, given, expected in (("kv", None, True), ("kv", False, False), ("input", None, False)):
+        model = distill_prompt(_base(chat_dir), tok, SYSTEM, prompt_level=level, self_study=given, **kw)
+        assert model.distill_report.samples.self_study is expected, (level, given)
+        assert ("by self-study" in model.distill_report.lines()[0]) is expected

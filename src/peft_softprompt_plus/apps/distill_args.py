@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import Optional
@@ -97,9 +98,11 @@ def add_parser(sub) -> None:
     )
     distill.add_argument(
         "--self-study",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="The teacher writes its training turns from five kinds of seed instruction (structuring, summarising, "
-        "questions, use cases, creative) instead of continuing a user turn (ignored with --user-file).",
+        "questions, use cases, creative) instead of continuing a user turn (ignored with --user-file; default: on "
+        "for a KV student, off for an input one).",
     )
     distill.add_argument(
         "--kl-top-k",
@@ -161,7 +164,8 @@ def _distill(args) -> int:
         )
     from ..distill.checks import level_defaults, level_problems, study_problems  # the standard library only
 
-    args.lr, args.prompt_init = level_defaults(args.prompt_level, args.lr, args.prompt_init)
+    chosen = level_defaults(args.prompt_level, lr=args.lr, prompt_init=args.prompt_init, self_study=args.self_study)
+    args.lr, args.prompt_init, args.self_study = chosen["lr"], chosen["prompt_init"], chosen["self_study"]
     found = level_problems(args.prompt_level, args.prompt_init, args.in_system_turn, args.keep_file)
     found += study_problems(False, args.kl_top_k, args.kv_frozen_positions, args.prompt_level)
     if found:

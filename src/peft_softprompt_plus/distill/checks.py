@@ -6,14 +6,19 @@ from __future__ import annotations
 from . import content as distill_content
 
 INITS = {"input": ("text", "vocab", "random"), "kv": ("text", "vocab", "random", "selected")}
-# What `lr=None` and `prompt_init=None` mean for each student form: the recipe measured best in bench/RESULTS.md.
-LEVEL_DEFAULTS = {"input": {"lr": 3e-2, "prompt_init": "text"}, "kv": {"lr": 1e-3, "prompt_init": "selected"}}
+# What `lr`, `prompt_init` and `self_study` left None mean for each student form: the recipe measured best
+# (bench/RESULTS.md, "KV students").
+LEVEL_DEFAULTS = {
+    "input": {"lr": 3e-2, "prompt_init": "text", "self_study": False},
+    "kv": {"lr": 1e-3, "prompt_init": "selected", "self_study": True},
+}
 
 
-def level_defaults(prompt_level, lr, prompt_init) -> tuple:
-    """(lr, prompt_init), each None replaced by `prompt_level`'s default (an unknown level is refused later)."""
+def level_defaults(prompt_level, **given) -> dict:
+    """`given` (lr, prompt_init, self_study), each None replaced by `prompt_level`'s default (an unknown level is
+    refused later)."""
     defaults = LEVEL_DEFAULTS.get(prompt_level, LEVEL_DEFAULTS["input"])
-    return (defaults["lr"] if lr is None else lr), (defaults["prompt_init"] if prompt_init is None else prompt_init)
+    return {name: defaults[name] if value is None else value for name, value in given.items()}
 
 
 def study_problems(self_study, kl_top_k, kv_frozen_positions, prompt_level) -> list[str]:

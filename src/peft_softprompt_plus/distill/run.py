@@ -112,7 +112,7 @@ def distill_prompt(
     samples: Optional[DistillSamples] = None,
     progress: Optional[Callable[[str], None]] = None,
     prompt_level: str = "input",
-    self_study: bool = False,
+    self_study: Optional[bool] = None,
     kl_top_k: int = 0,
     kv_frozen_positions: Optional[int] = None,
 ) -> PeftModel:
@@ -120,9 +120,11 @@ def distill_prompt(
 
     Returns a PeftModel holding the student alone (adapter "default"; `save_pretrained` writes a normal adapter
     folder) with `model.distill_report` (a `DistillReport`). Its inputs are formatted by `student_inputs`.
-    `lr` and `prompt_init` left None take the measured defaults of `prompt_level` (`checks.LEVEL_DEFAULTS`).
+    `lr`, `prompt_init` and `self_study` left None take the measured defaults of `prompt_level`
+    (`checks.LEVEL_DEFAULTS`).
     See docs/distillation.md."""
-    lr, prompt_init = level_defaults(prompt_level, lr, prompt_init)
+    chosen = level_defaults(prompt_level, lr=lr, prompt_init=prompt_init, self_study=self_study)
+    lr, prompt_init, self_study = chosen["lr"], chosen["prompt_init"], chosen["self_study"]
     counts = dict(num_virtual_tokens=num_virtual_tokens, steps=steps, batch_size=batch_size)
     counts.update(samples_per_turn=samples_per_turn, held_out_samples_per_turn=held_out_samples_per_turn)
     counts.update(max_new_tokens=max_new_tokens, sampled_turns=sampled_turns)
