@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from peft_softprompt_plus import (
     AdapterFileError,
+    DistillOptions,
     SoftPromptPlusConfig,
     check_gradient_flow,
     distill_prompt,
@@ -158,7 +159,9 @@ def _distill(system_prompt="the quick brown fox jumps over the lazy dog", model=
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(w.base_dir)
-        return distill_prompt(model(w) if model else w.base, tokenizer, system_prompt, **{"steps": 1, **kwargs})
+        data = {k: kwargs.pop(k) for k in ("user_turns", "held_out_turns", "probes", "samples") if k in kwargs}
+        options = DistillOptions(**{"steps": 1, **kwargs})
+        return distill_prompt(model(w) if model else w.base, tokenizer, system_prompt, options, **data)
 
     return run
 

@@ -216,9 +216,12 @@ def test_a_documented_signature_is_the_code_s(block):
         real = [p for p in inspect.signature(_public(name)).parameters.values() if p.name != "self"]
         positional = [a.arg for a in args.posonlyargs + args.args]
         keyword_only = [a.arg for a in args.kwonlyargs]
-        kinds = (inspect.Parameter.KEYWORD_ONLY,)
+        kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
         assert positional == [p.name for p in real if p.kind not in kinds], f"{block.where}: {name}'s parameters"
-        assert keyword_only == [p.name for p in real if p.kind in kinds], f"{block.where}: {name}'s keyword-only ones"
+        var = [p.name for p in real if p.kind == inspect.Parameter.VAR_KEYWORD]
+        assert ([args.kwarg.arg] if args.kwarg else []) == var, f"{block.where}: {name}'s **keywords"
+        only = [p.name for p in real if p.kind == inspect.Parameter.KEYWORD_ONLY]
+        assert keyword_only == only, f"{block.where}: {name}'s keyword-only ones"
         shown = dict(zip(positional[len(positional) - len(args.defaults) :], args.defaults, strict=True))
         shown.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None})
         defaults = {p.name: p.default for p in real if p.default is not inspect.Parameter.empty}

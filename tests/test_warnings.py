@@ -26,7 +26,7 @@ from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from peft_softprompt_plus import SoftPromptPlusConfig, distill_prompt, student_inputs
+from peft_softprompt_plus import DistillOptions, SoftPromptPlusConfig, distill_prompt, student_inputs
 from peft_softprompt_plus.apps.demo import run_demo
 from peft_softprompt_plus.forward import attention
 
@@ -95,10 +95,14 @@ def distillation(model_dir: str, tmp) -> None:
     # docs/distillation.md in plain mode (the tiny GPT-2 has no chat template): distill, save, reload, generate.
     tok = AutoTokenizer.from_pretrained(model_dir)
     turns = ["how do I reset it", "what does it cost", "is it safe", "where is my order", "can I return it"]
+    options = DistillOptions(num_virtual_tokens=2, steps=2, chat=False, samples_per_turn=1, max_new_tokens=4)
     model = distill_prompt(
-        AutoModelForCausalLM.from_pretrained(model_dir), tok, "you are a kind and brief support assistant",
-        num_virtual_tokens=2, steps=2, user_turns=turns, chat=False, samples_per_turn=1, max_new_tokens=4,
-    )  # fmt: skip
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        tok,
+        "you are a kind and brief support assistant",
+        options,
+        user_turns=turns,
+    )
     folder = os.path.join(tmp, "distilled")
     model.save_pretrained(folder)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), folder)

@@ -25,6 +25,7 @@ _PUBLIC = {  # name -> the module that defines it
     "KeepBest": "method.stopping",
     "FetchError": "apps.fetch",
     "fetch_checkpoint": "apps.fetch",
+    "DistillOptions": "distill.options",
     "DistillReport": "distill.score",
     "distill_prompt": "distill.run",
     "student_inputs": "distill.data",

@@ -12,7 +12,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from peft_softprompt_plus import distill_prompt, student_inputs, student_text
+from peft_softprompt_plus import DistillOptions, distill_prompt, student_inputs, student_text
 from peft_softprompt_plus._names import SAVED_KEY
 from peft_softprompt_plus.apps.cli import main as cli_main
 from peft_softprompt_plus.apps.tiny import FAMILIES, tiny_tokenizer
@@ -187,9 +187,18 @@ def test_scored_positions_are_the_last_suffix_token_and_the_continuation(tok, ba
 # ---------------------------------------------------------------------------------------------- end to end
 
 
+DATA = ("user_turns", "held_out_turns", "probes", "samples", "progress")  # distill_prompt's own keywords
+
+
+def distill(base, tok, system, **kwargs):
+    """`distill_prompt` with `kwargs` split into its data keywords and a DistillOptions of the rest."""
+    data = {k: kwargs.pop(k) for k in DATA if k in kwargs}
+    return distill_prompt(base, tok, system, DistillOptions(**kwargs), **data)
+
+
 def _distill(base, tok, **kwargs):
     kwargs = {"num_virtual_tokens": 4, "steps": 12, "batch_size": 4, "max_new_tokens": 6, "lr": 5e-2, **kwargs}
-    return distill_prompt(base, tok, SYSTEM, **kwargs)
+    return distill(base, tok, SYSTEM, **kwargs)
 
 
 def test_distill_closes_part_of_the_gap_and_saves_the_student_alone(tok, base, chat_dir, tmp_path):
@@ -309,7 +318,7 @@ def test_bad_distillation_inputs_are_refused_before_the_model_changes(tok, base,
     tok.chat_template = template
     state = {k: v.clone() for k, v in base.state_dict().items()}
     with pytest.raises(ValueError) as raised:
-        distill_prompt(base, tok, system, num_virtual_tokens=n, steps=1, user_turns=turns)
+        distill(base, tok, system, num_virtual_tokens=n, steps=1, user_turns=turns)
     for word in words:
         assert word in str(raised.value), f"{word!r} not in: {raised.value}"
     assert not hasattr(base, "peft_config") and all(torch.equal(state[k], v) for k, v in base.state_dict().items())
@@ -372,7 +381,7 @@ def test_a_distilled_hard_prompt_is_a_starting_point_for_label_training(tiny_mod
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     few_shot = "red -> blue\ncat -> dog\none -> two\n"
-    distilled = distill_prompt(
+    distilled = distill(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), tok, few_shot, chat=False, user_turns=USERS,
         num_virtual_tokens=4, steps=2, batch_size=4, max_new_tokens=4,
     )  # fmt: skip

@@ -1,14 +1,14 @@
-"""KV students (distill/kv_start.py and `distill_prompt(prompt_level="kv")`) on the tiny chat Llama of
+"""KV students (distill/kv_start.py and `distill(prompt_level="kv")`) on the tiny chat Llama of
 test_distill.py. References: the teacher itself (a student that keeps every system-turn position is the teacher), the
 attention weights of the base model, and the PEFT reload of the saved student."""
 
 import pytest
 import torch
 from peft import PeftModel
-from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir  # noqa: F401 (the fixture)
+from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir, distill  # noqa: F401 (the fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from peft_softprompt_plus import distill_prompt, student_inputs
+from peft_softprompt_plus import student_inputs
 from peft_softprompt_plus.distill import kv_start
 from peft_softprompt_plus.distill.data import prepare
 
@@ -28,7 +28,7 @@ def test_a_selected_student_that_keeps_every_position_is_the_teacher(tok, chat_d
     p = len(prepare(tok, SYSTEM, True, 4).prefix_ids)
     # At the teacher the KL's gradient is zero, so a step leaves it there.
     kw = {**KW, "steps": 1, "evaluate_at": (0,), "prompt_level": "kv", "prompt_init": "selected"}
-    model = distill_prompt(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=p, user_turns=USERS,
+    model = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=p, user_turns=USERS,
                            held_out_turns=HELD_OUT, **kw)  # fmt: skip
     report = model.distill_report
     assert model.peft_config["default"].kv_text_start == p and report.curve[0].held_out.kl < 1e-9
@@ -47,7 +47,7 @@ def test_selection_keeps_the_sink_and_the_most_attended_positions_in_order():
 
 def test_attention_scores_are_the_base_model_s_own_weights(tok, chat_dir):  # noqa: F811
     base = _base(chat_dir)
-    model = distill_prompt(base, tok, SYSTEM, num_virtual_tokens=4, prompt_level="kv", user_turns=USERS,
+    model = distill(base, tok, SYSTEM, num_virtual_tokens=4, prompt_level="kv", user_turns=USERS,
                            held_out_turns=HELD_OUT, **{**KW, "steps": 1})  # fmt: skip
     prefix, text = [5, 6, 7, 8, 9], [10, 11, 12]
     scores = kv_start.attention_scores(model, prefix, [(text, 1)], kv_heads=2)  # [layers, Hkv, P], queries 1..
@@ -61,7 +61,7 @@ def test_attention_scores_are_the_base_model_s_own_weights(tok, chat_dir):  # no
 
 def test_a_kv_student_trains_saves_and_reloads_as_a_kv_adapter(tok, chat_dir, tmp_path):  # noqa: F811
     kw = {**KW, "evaluate_at": (0, 6), "prompt_level": "kv", "prompt_init": "selected"}
-    model = distill_prompt(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=6, user_turns=USERS,
+    model = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=6, user_turns=USERS,
                            held_out_turns=HELD_OUT, **kw)  # fmt: skip
     report = model.distill_report
     assert report.curve[0].held_out.kl > report.student.kl  # training moved the selected start on
@@ -86,7 +86,7 @@ def test_a_kv_student_trains_saves_and_reloads_as_a_kv_adapter(tok, chat_dir, tm
 def test_kv_student_arguments_are_refused_before_the_model_changes(tok, chat_dir, kwargs, words):  # noqa: F811
     base = _base(chat_dir)
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("[", r"\[")):
-        distill_prompt(base, tok, SYSTEM, num_virtual_tokens=4, user_turns=USERS, **KW, **kwargs)
+        distill(base, tok, SYSTEM, num_virtual_tokens=4, user_turns=USERS, **KW, **kwargs)
     assert not hasattr(base, "peft_config")
 
 

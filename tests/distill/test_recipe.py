@@ -4,10 +4,9 @@ instructions found in what the teacher was asked to continue, and the saved adap
 
 import pytest
 import torch
-from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir  # noqa: F401 (the fixture)
+from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir, distill  # noqa: F401 (the fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from peft_softprompt_plus import distill_prompt
 from peft_softprompt_plus.distill import teacher
 from peft_softprompt_plus.distill.checks import LEVEL_DEFAULTS
 from peft_softprompt_plus.distill.data import prepare
@@ -46,7 +45,7 @@ def test_self_study_turns_are_the_teacher_s_replies_to_each_kind_of_seed_instruc
         return real(model, rows, adapter, *args, **kwargs)
 
     monkeypatch.setattr(teacher, "generate_rows", spy)
-    model = distill_prompt(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, self_study=True, sampled_turns=12,
+    model = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, self_study=True, sampled_turns=12,
                            **KW)  # fmt: skip
     prepared = prepare(tok, SYSTEM, True, 4)
     heads = [prepared.prefix_ids + prepared.suffix_ids(tok, seed) for seed in teacher.SELF_STUDY_SEEDS.values()]
@@ -59,13 +58,13 @@ def test_self_study_turns_are_the_teacher_s_replies_to_each_kind_of_seed_instruc
 
 def test_each_student_form_takes_its_measured_defaults_and_a_given_value_wins(tok, chat_dir):  # noqa: F811
     for level, defaults in LEVEL_DEFAULTS.items():
-        model = distill_prompt(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, prompt_level=level,
+        model = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, prompt_level=level,
                                user_turns=USERS, held_out_turns=HELD_OUT, **KW)  # fmt: skip
         report, config = model.distill_report, model.peft_config["default"]
         assert report.lr == defaults["lr"] and config.prompt_level == level
         assert ("selected" in report.init) == (defaults["prompt_init"] == "selected")
         assert report.samples.self_study is False  # given turns: nothing for the teacher to write
-    model = distill_prompt(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, prompt_level="kv", lr=0.5,
+    model = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, prompt_level="kv", lr=0.5,
                            prompt_init="text", kv_frozen_positions=0, kl_top_k=5, user_turns=USERS,
                            held_out_turns=HELD_OUT, **KW)  # fmt: skip
     config = model.peft_config["default"]
@@ -85,7 +84,7 @@ def test_each_student_form_takes_its_measured_defaults_and_a_given_value_wins(to
 def test_recipe_options_are_refused_by_name_before_the_model_changes(tok, chat_dir, kwargs, words):  # noqa: F811
     base = _base(chat_dir)
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
-        distill_prompt(base, tok, SYSTEM, num_virtual_tokens=4, user_turns=USERS, **KW, **kwargs)
+        distill(base, tok, SYSTEM, num_virtual_tokens=4, user_turns=USERS, **KW, **kwargs)
     assert not hasattr(base, "peft_config")
 
 
@@ -111,6 +110,6 @@ def test_cli_maps_the_recipe_flags_and_refuses_a_negative_top_k(chat_dir, tmp_pa
 def test_a_kv_student_writes_its_turns_by_self_study_unless_told_not_to(tok, chat_dir):  # noqa: F811
     kw = {**KW, "num_virtual_tokens": 4, "sampled_turns": 6}
     for level, given, expected in (("kv", None, True), ("kv", False, False), ("input", None, False)):
-        model = distill_prompt(_base(chat_dir), tok, SYSTEM, prompt_level=level, self_study=given, **kw)
+        model = distill(_base(chat_dir), tok, SYSTEM, prompt_level=level, self_study=given, **kw)
         assert model.distill_report.samples.self_study is expected, (level, given)
         assert ("by self-study" in model.distill_report.lines()[0]) is expected

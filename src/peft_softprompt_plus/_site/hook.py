@@ -29,6 +29,7 @@ LIGHT = {
             "apps.distill_args",
             "distill",
             "distill.checks",
+            "distill.options",
             "distill.content",
         )
     ),

@@ -117,7 +117,26 @@ def add_parser(sub) -> None:
         default=None,
         help="With --prompt-level kv: the leading positions kept frozen, the attention sink (default: the config's).",
     )
+    _teacher_flags(distill)
     distill.set_defaults(func=_distill)
+
+
+def _steps(text: str) -> tuple[int, ...]:
+    return tuple(int(step) for step in text.split(",") if step.strip())
+
+
+def _teacher_flags(distill) -> None:
+    """The DistillOptions fields that size the teacher's samples and the curve: one flag each, help from the field."""
+    from ..distill.options import DistillOptions, help_of  # the standard library only
+
+    defaults = DistillOptions()
+    for name, kind in (("sampled_turns", int), ("samples_per_turn", int), ("held_out_samples_per_turn", int),
+                       ("max_new_tokens", int), ("held_out_fraction", float), ("evaluate_at", _steps)):  # fmt: skip
+        default = getattr(defaults, name)
+        shown = ",".join(map(str, default)) or "none" if name == "evaluate_at" else default
+        distill.add_argument(
+            "--" + name.replace("_", "-"), type=kind, default=default, help=f"{help_of(name)} (default {shown})."
+        )
 
 
 def _text_file(name: str, path: str) -> str:

@@ -5,6 +5,7 @@ teacher samples. Only the student's prompt trains, and only the student stays in
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from typing import Callable, Optional, Sequence, Union
@@ -18,6 +19,7 @@ from . import data as distill_data
 from . import kv_start
 from . import score as distill_score
 from .checks import level_defaults, level_problems, problems_of, study_problems
+from .options import DistillOptions, from_keywords
 from .score import CurvePoint, DistillReport, Figures
 from .teacher import (
     KEPT_ONLY,
@@ -51,20 +53,20 @@ def _batches(count: int, batch_size: int, rng: random.Random):
         order = order[batch_size:]
 
 
-def _train(model, samples: DistillSamples, steps, batch_size, lr, seed, evaluate_at, evaluate, log, loss) -> tuple:
-    weight, top_k = loss
+def _train(model, samples: DistillSamples, o: DistillOptions, evaluate, log) -> tuple:
+    steps, evaluate_at = o.steps, set(o.evaluate_at)
     prompt = model.base_model.prompt(STUDENT)
     # Decay would pull the prompt off the embedding manifold; the optimizer holds the student's prompt alone.
-    opt = torch.optim.AdamW([prompt], lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([prompt], lr=o.lr, weight_decay=0.0)
     pad, device = _pad_id(model), prompt.device
-    picks, losses, curve = _batches(len(samples.train), batch_size, random.Random(seed)), [], []
+    picks, losses, curve = _batches(len(samples.train), o.batch_size, random.Random(o.seed)), [], []
     wall = cpu = 0.0
     if 0 in evaluate_at:
         curve.append(CurvePoint(0, 0.0, None, evaluate()))
     for step in range(1, steps + 1):
         started, started_cpu = time.perf_counter(), time.process_time()
         batch = distill_score.scored_batch([samples.train[i] for i in next(picks)], pad, device)
-        kl = distill_score.weighted_kl(model, batch, STUDENT, weight, top_k)
+        kl = distill_score.weighted_kl(model, batch, STUDENT, o.answer_weight, o.kl_top_k)
         kl.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -86,70 +88,52 @@ def distill_prompt(
     model,
     tokenizer,
     system_prompt: str,
+    options: Optional[DistillOptions] = None,
     *,
-    num_virtual_tokens: int = 16,
-    steps: int = 200,
     user_turns: Optional[Sequence[str]] = None,
     held_out_turns: Optional[Sequence[str]] = None,
-    chat: bool = True,
-    batch_size: int = 8,
-    lr: Optional[float] = None,
-    samples_per_turn: int = 4,
-    held_out_samples_per_turn: int = 2,
-    max_new_tokens: int = 24,
-    held_out_fraction: float = 0.2,
-    sampled_turns: int = 64,
-    seed: int = 0,
-    prompt_init: Optional[str] = None,
-    evaluate_at: Sequence[int] = (),
-    turns_per_part: int = 0,
-    answer_weight: float = 0.0,
-    greedy_part_replies: bool = False,
-    quote_parts: int = 0,
     probes: Optional[Sequence[Union[str, distill_content.Probe]]] = None,
-    in_system_turn: bool = False,
-    keep_text: Optional[str] = None,
     samples: Optional[DistillSamples] = None,
     progress: Optional[Callable[[str], None]] = None,
-    prompt_level: str = "input",
-    self_study: Optional[bool] = None,
-    kl_top_k: int = 0,
-    kv_frozen_positions: Optional[int] = None,
+    **old_keywords,
 ) -> PeftModel:
-    """Train `num_virtual_tokens` soft tokens that make the frozen `model` behave as it does after `system_prompt`.
+    """Train `options.num_virtual_tokens` soft tokens that make the frozen `model` behave as it does after
+    `system_prompt`; `options` (a `DistillOptions`, default: its defaults) says how. The data: the user turns to train
+    on and to hold out (default: the teacher writes them), the content probes, samples from an earlier report, and a
+    `progress` callable given one line at a time.
 
     Returns a PeftModel holding the student alone (adapter "default"; `save_pretrained` writes a normal adapter
-    folder) with `model.distill_report` (a `DistillReport`). Its inputs are formatted by `student_inputs`.
-    `lr`, `prompt_init` and `self_study` left None take the measured defaults of `prompt_level`
-    (`checks.LEVEL_DEFAULTS`).
-    See docs/distillation.md."""
-    chosen = level_defaults(prompt_level, lr=lr, prompt_init=prompt_init, self_study=self_study)
-    lr, prompt_init, self_study = chosen["lr"], chosen["prompt_init"], chosen["self_study"]
-    counts = dict(num_virtual_tokens=num_virtual_tokens, steps=steps, batch_size=batch_size)
-    counts.update(samples_per_turn=samples_per_turn, held_out_samples_per_turn=held_out_samples_per_turn)
-    counts.update(max_new_tokens=max_new_tokens, sampled_turns=sampled_turns)
-    how = (turns_per_part, answer_weight, probes, greedy_part_replies, quote_parts)
-    if not isinstance(in_system_turn, bool):
-        raise ValueError(f"distill_prompt: `in_system_turn` must be True or False, got {in_system_turn!r}.")
+    folder) with `model.distill_report` (a `DistillReport`). Its inputs are formatted by `student_inputs`. The 0.3
+    keywords (`old_keywords`: `steps=...`) still work, with a FutureWarning, until 0.4.0. See docs/distillation.md."""
+    o = from_keywords(options, old_keywords)
+    o = dataclasses.replace(
+        o, **level_defaults(o.prompt_level, lr=o.lr, prompt_init=o.prompt_init, self_study=o.self_study)
+    )
+    counts = dict(num_virtual_tokens=o.num_virtual_tokens, steps=o.steps, batch_size=o.batch_size)
+    counts.update(samples_per_turn=o.samples_per_turn, held_out_samples_per_turn=o.held_out_samples_per_turn)
+    counts.update(max_new_tokens=o.max_new_tokens, sampled_turns=o.sampled_turns)
+    how = (o.turns_per_part, o.answer_weight, probes, o.greedy_part_replies, o.quote_parts)
+    if not isinstance(o.in_system_turn, bool):
+        raise ValueError(f"distill_prompt: `in_system_turn` must be True or False, got {o.in_system_turn!r}.")
     problems = problems_of(
-        model, user_turns, held_out_turns, counts, lr, held_out_fraction, prompt_init, evaluate_at, how
-    ) + level_problems(prompt_level, prompt_init, in_system_turn, keep_text)
-    problems += study_problems(self_study, kl_top_k, kv_frozen_positions, prompt_level)
-    if keep_text is not None and not distill_content.passage_of(keep_text, system_prompt):
+        model, user_turns, held_out_turns, counts, o.lr, o.held_out_fraction, o.prompt_init, o.evaluate_at, how
+    ) + level_problems(o.prompt_level, o.prompt_init, o.in_system_turn, o.keep_text)
+    problems += study_problems(o.self_study, o.kl_top_k, o.kv_frozen_positions, o.prompt_level)
+    if o.keep_text is not None and not distill_content.passage_of(o.keep_text, system_prompt):
         problems.append(
-            f"`keep_text` must be a non-empty passage of `system_prompt` (spacing aside), got {keep_text!r:.80}. Copy "
-            "the sentences to keep as hard text (its facts, say) from the system prompt."
+            f"`keep_text` must be a non-empty passage of `system_prompt` (spacing aside), got {o.keep_text!r:.80}. "
+            "Copy the sentences to keep as hard text (its facts, say) from the system prompt."
         )
     if problems:
         raise ValueError("distill_prompt: " + " ".join(problems))
     log = progress or (lambda line: None)
-    prepared = distill_data.prepare(tokenizer, system_prompt, chat, num_virtual_tokens)
+    prepared = distill_data.prepare(tokenizer, system_prompt, o.chat, o.num_virtual_tokens)
     if samples is not None and (samples.mode, samples.prefix_ids) != (prepared.mode, prepared.prefix_ids):
         raise ValueError("`samples` were drawn for another system prompt or mode; pass samples=None to draw new ones.")
     turns = unique_turns(user_turns) if user_turns is not None else None
     probes = [p if isinstance(p, distill_content.Probe) else distill_content.Probe(p) for p in probes or []] or None
     if turns is not None:
-        train, held_out = split_turns(turns, held_out_turns, held_out_fraction, seed)
+        train, held_out = split_turns(turns, held_out_turns, o.held_out_fraction, o.seed)
         if not train or not held_out:
             raise ValueError(
                 f"`user_turns` leave {len(train)} turn(s) to train on and {len(held_out)} held out; pass at least "
@@ -158,57 +142,56 @@ def distill_prompt(
     given = (turns or []) + list(held_out_turns or []) + [p.question for p in probes or []]
     for turn in given:  # every given turn is checked before the model changes
         prepared.suffix_ids(tokenizer, turn)
-    chosen = prompt_init == "selected"  # attach from noise; the selection replaces it once the samples are drawn
+    chosen = o.prompt_init == "selected"  # attach from noise; the selection replaces it once the samples are drawn
     # A selected student's text reads on from where the whole system turn ended, as the teacher's does.
-    level = {"prompt_level": prompt_level, **({"kv_text_start": len(prepared.prefix_ids)} if chosen else {})}
-    if kv_frozen_positions is not None:
-        level["kv_frozen_positions"] = kv_frozen_positions
-    start = "random" if chosen else prompt_init
-    config = distill_data.init_config(tokenizer, prepared, num_virtual_tokens, seed, start, **level)
-    config.chat_format = "student" if chat else None  # how a server formats its messages (`student_inputs`)
-    if in_system_turn:  # the template's system header before the soft tokens, its end of turn after them
+    level = {"prompt_level": o.prompt_level, **({"kv_text_start": len(prepared.prefix_ids)} if chosen else {})}
+    if o.kv_frozen_positions is not None:
+        level["kv_frozen_positions"] = o.kv_frozen_positions
+    start = "random" if chosen else o.prompt_init
+    config = distill_data.init_config(tokenizer, prepared, o.num_virtual_tokens, o.seed, start, **level)
+    config.chat_format = "student" if o.chat else None  # how a server formats its messages (`student_inputs`)
+    if o.in_system_turn:  # the template's system header before the soft tokens, its end of turn after them
         head, tail = distill_data.system_turn(tokenizer, prepared)
         config.prompt_prefix_ids, config.prompt_suffix_ids = head or None, tail or None
-    if keep_text is not None:  # frozen hard tokens after the soft ones, saved with the adapter
-        kept = distill_data.kept_ids(tokenizer, prepared, keep_text, in_system_turn)
+    if o.keep_text is not None:  # frozen hard tokens after the soft ones, saved with the adapter
+        kept = distill_data.kept_ids(tokenizer, prepared, o.keep_text, o.in_system_turn)
         config.prompt_suffix_ids = kept + (config.prompt_suffix_ids or [])
     model = get_peft_model(model, config)
     attach_teacher(model, prepared.prefix_ids)
     model.eval()  # no dropout: the student matches the teacher's own deterministic distribution
     pad, stops = _pad_id(model), prepared.stop_ids
     with torch.random.fork_rng():
-        torch.manual_seed(seed)
+        torch.manual_seed(o.seed)
         if samples is None:
             began, began_cpu = time.perf_counter(), time.process_time()
-            draw = (turns, held_out_turns, probes, turns_per_part, greedy_part_replies, quote_parts, self_study)
-            samples = _draw(model, tokenizer, prepared, draw, held_out_fraction, seed, counts, log)
+            draw = (turns, held_out_turns, probes, o.turns_per_part, o.greedy_part_replies, o.quote_parts)
+            draw += (o.self_study,)
+            samples = _draw(model, tokenizer, prepared, draw, o.held_out_fraction, o.seed, counts, log)
             samples.seconds = (time.perf_counter() - began, time.process_time() - began_cpu)
     if chosen:
-        _select(model, prepared.prefix_ids, samples, num_virtual_tokens, config.kv_frozen_positions)
+        _select(model, prepared.prefix_ids, samples, o.num_virtual_tokens, config.kv_frozen_positions)
     gap = teacher_gap(model, prepared.prefix_ids, samples.train[0].ids)
-    none = distill_score.none_figures(model, samples, pad, stops, batch_size)
+    none = distill_score.none_figures(model, samples, pad, stops, o.batch_size)
 
     def evaluate() -> Figures:
-        return distill_score.figures(model, samples, STUDENT, pad, stops, batch_size)
+        return distill_score.figures(model, samples, STUDENT, pad, stops, o.batch_size)
 
-    curve, wall, cpu = _train(
-        model, samples, steps, batch_size, lr, seed, set(evaluate_at), evaluate, log, (answer_weight, kl_top_k)
-    )
-    student = curve[-1].held_out if curve and curve[-1].step == steps else evaluate()
+    curve, wall, cpu = _train(model, samples, o, evaluate, log)
+    student = curve[-1].held_out if curve and curve[-1].step == o.steps else evaluate()
     kept_only = None
-    if keep_text is not None:  # the kept text alone as the system turn: what the soft tokens add over it
-        attach_teacher(model, distill_data.kept_ids(tokenizer, prepared, keep_text, False), KEPT_ONLY)
-        kept_only = distill_score.figures(model, samples, KEPT_ONLY, pad, stops, batch_size)
+    if o.keep_text is not None:  # the kept text alone as the system turn: what the soft tokens add over it
+        attach_teacher(model, distill_data.kept_ids(tokenizer, prepared, o.keep_text, False), KEPT_ONLY)
+        kept_only = distill_score.figures(model, samples, KEPT_ONLY, pad, stops, o.batch_size)
     readers = (STUDENT, KEPT_ONLY) if kept_only is not None else (STUDENT,)
-    scores = distill_score.content_scores(model, tokenizer, prepared, samples, readers, pad, batch_size, log)
+    scores = distill_score.content_scores(model, tokenizer, prepared, samples, readers, pad, o.batch_size, log)
     content, kept_content = scores.get(STUDENT), scores.get(KEPT_ONLY)
     init = "selected (the system turn's most attended positions)" if chosen else f"{config.prompt_init}"
     init += " (the system prompt's first tokens)" if config.prompt_init == "text" and not chosen else ""
-    init += ", KV" if prompt_level == "kv" else ""
+    init += ", KV" if o.prompt_level == "kv" else ""
     report = DistillReport(
-        prepared.mode, len(prepared.prefix_ids), num_virtual_tokens, steps, batch_size, lr, seed, init, gap,
-        student, none, wall, cpu, samples, curve, content, turns_per_part, answer_weight, greedy_part_replies,
-        quote_parts, kept_only, kept_content, kl_top_k,
+        prepared.mode, len(prepared.prefix_ids), o.num_virtual_tokens, o.steps, o.batch_size, o.lr, o.seed, init, gap,
+        student, none, wall, cpu, samples, curve, content, o.turns_per_part, o.answer_weight, o.greedy_part_replies,
+        o.quote_parts, kept_only, kept_content, o.kl_top_k,
     )  # fmt: skip
     model.delete_adapter(TEACHER)
     if kept_only is not None:
