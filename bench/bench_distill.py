@@ -21,7 +21,7 @@ import torch
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from peft_softprompt_plus import SoftPromptPlusConfig, distill_prompt, student_inputs
+from peft_softprompt_plus import DistillOptions, SoftPromptPlusConfig, distill_prompt, student_inputs
 from peft_softprompt_plus.apps.fetch import fetch_checkpoint
 from peft_softprompt_plus.distill.data import left_padded, prepare
 from peft_softprompt_plus.distill.score import scored_batch, teacher_logits, token_kl
@@ -157,11 +157,19 @@ def distill_sizes(path, tokenizer, system_prompt, sizes, steps, evaluate_at, arg
         def log(line: str, n: int = n, began: float = began) -> None:
             print(f"  [N={n} {time.perf_counter() - began:6.0f} s] {line}", flush=True)
 
+        options = DistillOptions(
+            num_virtual_tokens=n, steps=steps, lr=args.lr, seed=args.seed, evaluate_at=evaluate_at
+        )
         student = distill_prompt(
-            _load(path), tokenizer, system_prompt, num_virtual_tokens=n, steps=steps, lr=args.lr, seed=args.seed,
-            user_turns=_lines("train_turns.txt"), held_out_turns=_lines("held_out_turns.txt"),
-            evaluate_at=evaluate_at, samples=samples, progress=log,
-        )  # fmt: skip
+            _load(path),
+            tokenizer,
+            system_prompt,
+            options,
+            user_turns=_lines("train_turns.txt"),
+            held_out_turns=_lines("held_out_turns.txt"),
+            samples=samples,
+            progress=log,
+        )
         report = student.distill_report
         if samples is None and args.samples:
             with open(args.samples, "wb") as handle:

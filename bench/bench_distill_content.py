@@ -39,7 +39,7 @@ import torch
 from _distill_table import table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from peft_softprompt_plus import distill_prompt
+from peft_softprompt_plus import DistillOptions, distill_prompt
 from peft_softprompt_plus.apps.fetch import fetch_checkpoint
 from peft_softprompt_plus.distill.content import parts, read_probes, replies, score, words
 from peft_softprompt_plus.distill.data import kept_ids, pad_id, prepare
@@ -289,14 +289,20 @@ def main() -> None:
             print(f"{name}: gap {results[name]['gap_closed']:.1%}, copy gap {results[name]['copy_gap']:.1e}")
             continue
         began = time.perf_counter()
-        model = distill_prompt(
-            AutoModelForCausalLM.from_pretrained(path), tokenizer, system_prompt,
+        options = DistillOptions(
             num_virtual_tokens=n, steps=args.steps, seed=args.seed, turns_per_part=per_part, answer_weight=weight,
-            in_system_turn=in_turn, samples=samples, lr=args.lr, evaluate_at=evaluate_at,
-            max_new_tokens=args.max_new_tokens, greedy_part_replies=greedy, quote_parts=quotes, keep_text=keep_text,
-            prompt_level=level, prompt_init=init, progress=lambda line: print("  " + line, flush=True),
+            in_system_turn=in_turn, lr=args.lr, evaluate_at=evaluate_at, max_new_tokens=args.max_new_tokens,
+            greedy_part_replies=greedy, quote_parts=quotes, keep_text=keep_text, prompt_level=level, prompt_init=init,
             self_study=args.self_study, kl_top_k=args.kl_top_k, kv_frozen_positions=args.kv_frozen_positions,
         )  # fmt: skip
+        model = distill_prompt(
+            AutoModelForCausalLM.from_pretrained(path),
+            tokenizer,
+            system_prompt,
+            options,
+            samples=samples,
+            progress=lambda line: print("  " + line, flush=True),
+        )
         report = model.distill_report
         if samples is None:
             kept.write_bytes(pickle.dumps(report.samples))
