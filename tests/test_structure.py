@@ -142,6 +142,18 @@ def test_no_arrow_from_the_core_to_an_application():
     assert wrong == []
 
 
+def test_the_lazy_tables_reach_the_applications_they_are_documented_to():
+    # importlib arrows are invisible to the import-statement checks above: the tables that hold them are read here.
+    import peft_softprompt_plus
+    from peft_softprompt_plus import distill
+
+    targets = {f"peft_softprompt_plus.{m}" for m in peft_softprompt_plus._PUBLIC.values()} | set(distill._OLD.values())
+    to_apps = sorted(t for t in targets if _layer(t) == "apps")
+    assert to_apps == ["peft_softprompt_plus.apps.distill_job", "peft_softprompt_plus.apps.fetch"]
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert all(f"`{t.split('.')[-1]}.py`" in text for t in to_apps)  # each one argued in architecture.md
+
+
 def test_importing_the_package_loads_no_application_and_no_layer():
     code = (
         "import sys, peft_softprompt_plus, peft, peft_softprompt_plus as p; p.SoftPromptPlusConfig; "
