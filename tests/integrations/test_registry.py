@@ -133,3 +133,33 @@ def test_patches_are_visible_under_our_names():
         installed = getattr(installed, "__func__", installed)
         assert installed.__name__ == patch.replacement.__name__ and installed.__name__.startswith("softprompt_plus_")
         assert installed._softprompt_plus_original.__module__.split(".")[0] in ("peft", "transformers")
+
+
+def test_threads_loading_adapters_leave_the_process_s_warning_filters_as_they_were(make_peft, make_base, tmp_path):
+    # PeftModel.__init__ hides PEFT's own deprecation warning for our adapters with catch_warnings, which saves and
+    # restores the process-wide filter list: interleaved in threads (the serve front loads adapters from workers),
+    # one thread's "ignore" could outlive its call. Our swaps take one lock.
+    import threading
+    import warnings
+
+    from peft import PeftModel
+
+    make_peft().save_pretrained(tmp_path / "a")
+    bases = [make_base() for _ in range(16)]
+    before, errors = list(warnings.filters), []
+
+    def load(i: int) -> None:
+        try:
+            if i % 2:
+                PeftModel.from_pretrained(bases[i], tmp_path / "a")
+            else:
+                make_peft(bases[i])
+        except Exception as err:  # noqa: BLE001 - reported below, with the thread's index
+            errors.append((i, err))
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and warnings.filters == before

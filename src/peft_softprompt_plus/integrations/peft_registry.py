@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -60,8 +61,12 @@ def _original(owner, name: str) -> Callable:
 # PeftModel.__init__ reads `model.is_gradient_checkpointing` (peft_model.py:184 in 0.21.2), an alias transformers 5
 # deprecated with a FutureWarning, so every attach and load warned about a line of PEFT's. Hidden here, where PEFT
 # raises it (every constructor path and import order meets it: `get_peft_model`, `from_pretrained`, AutoPeftModel*),
-# for our adapters and that message only. catch_warnings swaps the process-wide filters while PEFT's __init__ runs.
+# for our adapters and that message only. catch_warnings swaps the process-wide filters while PEFT's __init__ runs
+# and puts back the list it saved, so two threads interleaving it could leave one's filter in place for good: our
+# swaps take a lock (the serve front loads adapters from worker threads). Python < 3.14 has no per-thread filters, so
+# a thread outside this library running its own catch_warnings at the same moment is not covered.
 _PEFT_OWN_WARNING = r"`is_gradient_checkpointing` is deprecated"
+_FILTERS = threading.RLock()
 
 
 def softprompt_plus_peft_model_init(self, model, peft_config, *args, **kwargs):
@@ -69,7 +74,7 @@ def softprompt_plus_peft_model_init(self, model, peft_config, *args, **kwargs):
     init = _original(PeftModel, "__init__")
     if getattr(peft_config, "peft_type", None) != METHOD:
         return init(self, model, peft_config, *args, **kwargs)
-    with warnings.catch_warnings():
+    with _FILTERS, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_PEFT_OWN_WARNING, category=FutureWarning)
         return init(self, model, peft_config, *args, **kwargs)
 
