@@ -118,13 +118,17 @@ def table(log: Path, prompt: str, data: Path) -> str:
 
 
 def _at_budget(records: list[dict], budget: float) -> str:
-    """The held-out gap closed at the last curve point within `budget` CPU seconds (steps at the arm's own rate)."""
+    """The held-out gap closed at `budget` CPU seconds of training: the final gap of a run that took no more, else its
+    last curve point within the budget (steps at the run's own rate; a self-study run's curve reads its own kind of
+    turns, so it has none here)."""
     values = []
     for r in records:
-        per_step = r.get("train_cpu", r["seconds"]) / r["steps"]
-        points = [
-            (int(step), gap) for step, gap in r.get("curve", {}).items() if int(step) * per_step <= budget * 1.02
-        ]
-        if points:
+        cpu = r.get("train_cpu", r["seconds"])
+        if cpu <= budget * 1.02:
+            values.append(r["gap_closed"])
+            continue
+        per_step = cpu / r["steps"]
+        points = [(int(s), gap) for s, gap in r.get("curve", {}).items() if int(s) * per_step <= budget * 1.02]
+        if points and not r.get("self_study"):
             values.append(max(points)[1])
-    return "–" if not values else f"{statistics.fmean(values):.1%}"
+    return "–" if len(values) < len(records) else f"{statistics.fmean(values):.1%}"
