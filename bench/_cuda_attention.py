@@ -1,7 +1,6 @@
-"""The attention part of bench/cuda_check.py: which SDPA backend our prompt attention runs on a GPU, bf16 exactness
-against the concatenation and PEFT PROMPT_TUNING, and train-step time + peak memory of ours / PEFT / the floor for
-randomly initialised Llama models (SmolLM2-135M's shape and Llama-3.2-1B's) at L = 512, 2048, 8192, N = 20 and 100,
-activation checkpointing off and on. Needs CUDA; prints one table and the GPU targets' verdicts."""
+"""bench/cuda_check.py's attention part (needs CUDA): the SDPA backend our prompt attention runs, bf16 exactness
+against the concatenation and PEFT PROMPT_TUNING, and step time + peak memory of ours / PEFT / the floor on random
+Llamas of SmolLM2-135M's and Llama-3.2-1B's shapes, L = 512-8192, N = 20 and 100, checkpointing off and on."""
 
 from __future__ import annotations
 
@@ -103,8 +102,7 @@ def _floor(base, ids):
     embed = base.get_input_embeddings()
 
     def step():
-        with torch.no_grad():
-            x = embed(ids)
+        x = embed(ids).detach()  # the frozen embedding's output, a leaf, as a prompt's gradient would need
         base(inputs_embeds=x.requires_grad_(), labels=ids).loss.backward()
 
     return step
@@ -258,8 +256,7 @@ def run(seconds: float, reps: int, shapes=None) -> int:
         state = {k: v.clone() for k, v in _base(shape).state_dict().items()}
         lines = backend_and_exactness(shape, state) + flash_attention_2(shape, state)
         checks += [f"[{shape}] {line}" for line in lines]
-        print("\n".join(checks[-4:]), flush=True)
-        print(HEADER, flush=True)
+        print("\n".join(checks[-4:]) + "\n" + HEADER, flush=True)
         all_rows += speed(shape, state, deadline, reps)
         del state
         if DEV == "cuda":
