@@ -311,3 +311,37 @@ def test_serving_md_s_flag_table_is_the_serve_parser_s():
             assert int(shown) == defaults[flag], (
                 f"serving.md shows {flag} {shown.strip()}, the parser {defaults[flag]}"
             )
+
+
+def _field_table(page: str, heading: str) -> dict[str, tuple[str, str]]:
+    """`| `name` | `type` | `default` | ... |` rows under `heading` in `page`: name -> (type, default) as written."""
+    text = (ROOT / page).read_text()
+    section = text[text.index(heading) :]
+    rows = {}
+    for line in section.splitlines()[1:]:
+        if line.startswith("#") or (rows and not line.startswith("|")):
+            break  # the next section, or the end of the first table
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) >= 3 and cells[0].startswith("`") and cells[2].startswith("`"):
+            for name in cells[0].split(", "):  # one row may describe a pair of fields
+                rows[name.strip("`")] = (cells[1].strip("`"), cells[2].strip("`"))
+    return rows
+
+
+def test_the_config_table_lists_every_field_of_its_own_with_the_code_s_default():
+    import dataclasses
+    import enum
+
+    from peft import PeftConfig
+
+    from peft_softprompt_plus import SoftPromptPlusConfig
+
+    inherited = {f.name for f in dataclasses.fields(PeftConfig)}
+    fields = {f.name: f for f in dataclasses.fields(SoftPromptPlusConfig)}
+    table = _field_table("docs/api.md", "### `SoftPromptPlusConfig`")
+    assert sorted(set(fields) - inherited - set(table)) == []  # every field of its own is listed
+    assert sorted(set(table) - set(fields)) == []  # and nothing that is not a field (PEFT's own may be)
+    for name in table:
+        default = fields[name].default
+        shown = repr(default.value if isinstance(default, enum.Enum) else default).replace("'", '"')
+        assert table[name][1] == shown, f"api.md says {name} defaults to {table[name][1]}, the code {shown}"
