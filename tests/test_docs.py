@@ -345,3 +345,18 @@ def test_the_config_table_lists_every_field_of_its_own_with_the_code_s_default()
         default = fields[name].default
         shown = repr(default.value if isinstance(default, enum.Enum) else default).replace("'", '"')
         assert table[name][1] == shown, f"api.md says {name} defaults to {table[name][1]}, the code {shown}"
+
+
+def test_the_kernel_list_in_concepts_md_is_every_name_last_kernels_can_hold():
+    import re
+
+    source = "".join(p.read_text() for p in (ROOT / "src" / "peft_softprompt_plus" / "forward").glob("*.py"))
+    named = set(re.findall(r'kernels\.add\("(\w+)"\)', source)) | set(re.findall(r'frozenset\(\{"(\w+)"\}\)', source))
+    masked = re.findall(r'^\s+"(\w+)": \(_masked_function\("\1"', source, re.M)  # f"{kernel_name}_mask" for each
+    assert masked and "{kernel_name}_mask" in source
+    names = named | {f"{k}_mask" for k in masked}
+    text = (ROOT / "docs" / "concepts.md").read_text()
+    bullet = text[text.index("**Which kernel runs when**") :].split("\n- ")[0]
+    shown = set(re.findall(r"`((?:sdpa|eager|flash|concat)\w*)`", bullet))
+    shown = {n for n in shown if not n.startswith("flash_attention_")}  # attn_implementation names, not kernels
+    assert names == shown, f"code only: {sorted(names - shown)}; concepts.md only: {sorted(shown - names)}"
