@@ -105,8 +105,6 @@ UPWARD = {
     ("method.kv_prompt", "files"),
     # A call with gradients disabled is reported through the probe's one warning.
     ("forward.prompted", "gradients"),
-    # The config's `peft_type` is the PeftType member that PEFT's registration defines.
-    ("method.config", "integrations"),
 }
 
 

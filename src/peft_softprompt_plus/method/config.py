@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from peft.config import PeftConfig
+from peft.utils import PeftType
 
-from ..integrations.peft_registry import SOFTPROMPT_PLUS
+from .._names import METHOD
 from .config_checks import CHECKS, CHOICES, is_kv, kv_frozen_default
 from .options import ForwardPath, PromptInit, PromptLevel, Reparameterization, ValidateGradients
 
@@ -192,7 +193,9 @@ class SoftPromptPlusConfig(PeftConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.peft_type = SOFTPROMPT_PLUS
+        # The member PEFT's registration added (integrations/peft_registry.py, run by the import hook before any
+        # module of this layer loads): read by name, so the config depends on PEFT's public enum alone.
+        self.peft_type = PeftType[METHOD]
         if self.task_type is None:
             # PEFT wraps a config without a task type in a bare PeftModel, whose forward calls the base model
             # directly: the prompt would be silently ignored. No task type means a causal LM here.
