@@ -140,6 +140,36 @@ def test_no_arrow_from_the_core_to_an_application():
     assert wrong == []
 
 
+def test_no_module_reaches_into_another_layer_s_private_names():
+    # A name with one leading underscore is its layer's own: `tuner._active()` from forward/ would pass the import
+    # checks unseen. Flagged: an attribute `._x` read in one layer where `_x` is defined (a function, method or
+    # class) only in others, and `from ... import _x` across layers.
+    defined, trees = {}, {}
+    for path in PACKAGE.rglob("*.py"):
+        trees[path] = tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and re.fullmatch(r"_[a-z]\w*", node.name):
+                defined.setdefault(node.name, set()).add(_path_layer(path))
+    wrong = []
+    for path, tree in trees.items():
+        here = _path_layer(path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and here not in defined.get(node.attr, {here}):
+                wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.ImportFrom) and node.level and node.module:
+                base = path.parents[node.level - 1]  # `.` is the module's own package, `..` the one above
+                there = (base / node.module.replace(".", "/")).resolve()
+                privates = [a.name for a in node.names if re.fullmatch(r"_[a-z]\w*", a.name)]
+                if privates and _path_layer(there.with_suffix(".py")) != here:
+                    wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno} imports {privates}")
+    assert wrong == []
+
+
+def _path_layer(path) -> str:
+    parts = path.resolve().relative_to(PACKAGE.resolve()).parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
 def test_the_lazy_tables_reach_the_applications_they_are_documented_to():
     # importlib arrows are invisible to the import-statement checks above: the tables that hold them are read here.
     import peft_softprompt_plus

@@ -41,7 +41,7 @@ def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     _hook.register_now()
-    value = getattr(_hook._import(f"{__name__}.{_PUBLIC[name]}"), name)
+    value = getattr(_hook.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
     globals()[name] = value
     return value
 

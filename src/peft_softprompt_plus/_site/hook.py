@@ -37,7 +37,7 @@ LIGHT = {
 }
 
 
-def _import(name: str):
+def import_module(name: str):
     import importlib
 
     return importlib.import_module(name)
@@ -45,8 +45,8 @@ def _import(name: str):
 
 def register_now() -> None:
     """Import PEFT (the finder then registers) or, when it is already imported, register directly."""
-    _import("peft")
-    _import(REGISTRATION)
+    import_module("peft")
+    import_module(REGISTRATION)
 
 
 class _RegisterAfter:
@@ -61,7 +61,7 @@ class _RegisterAfter:
     def exec_module(self, module):
         self.loader.exec_module(module)
         try:
-            _import(REGISTRATION)
+            import_module(REGISTRATION)
         except Exception as err:  # noqa: BLE001 - `import peft` must keep working whatever happens to us
             import warnings
 
@@ -85,14 +85,14 @@ class PeftFinder:
             return None
         ours = fullname.startswith(PACKAGE + ".") and not fullname.startswith(f"{PACKAGE}._site")
         if ours and fullname not in LIGHT and "peft" not in sys.modules:
-            _import("peft")  # registers; this module then imports against a complete PEFT
+            import_module("peft")  # registers; this module then imports against a complete PEFT
         return None
 
 
 def install() -> None:
     """Register now if PEFT is already imported; otherwise when it is. Idempotent."""
     if "peft" in sys.modules:
-        _import(REGISTRATION)
+        import_module(REGISTRATION)
         return
     if not any(isinstance(f, PeftFinder) or type(f).__name__ == "PeftFinder" for f in sys.meta_path):
         sys.meta_path.insert(0, PeftFinder())

@@ -77,8 +77,8 @@ def _route(tuner, adapter_names, text) -> routing.Route:
             "the context to route rows to prompts, or use '__base__' rows for the base model."
         )
     batch = text.shape[0] if isinstance(text, torch.Tensor) and text.dim() else 0
-    active = None if names is not None else tuner._active()
-    return routing.route_rows(names, active, batch, list(tuner.peft_config), tuner._kv_names())
+    active = None if names is not None else tuner.active_entry()
+    return routing.route_rows(names, active, batch, list(tuner.peft_config), tuner.kv_adapter_names())
 
 
 def _task_for(tuner, route: routing.Route) -> Task:

@@ -152,7 +152,9 @@ class SoftPromptPlusModel(BaseTuner):
     def set_adapter(self, adapter_name, inference_mode: bool = False) -> None:
         """One adapter, or a list of KV adapters read composed by every row (each trains, unless `inference_mode`)."""
         if not isinstance(adapter_name, str):
-            entry = routing.composition(list(adapter_name), list(self.peft_config), self._kv_names(), "`set_adapter`")
+            entry = routing.composition(
+                list(adapter_name), list(self.peft_config), self.kv_adapter_names(), "`set_adapter`"
+            )
             adapter_name = list(routing.names_of(entry))
         set_adapter(self, adapter_name, inference_mode=inference_mode, layer_cls=SoftPromptBank)
         self.active_adapter = adapter_name
@@ -194,10 +196,11 @@ class SoftPromptPlusModel(BaseTuner):
 
     # ------------------------------------------------------------------ forward
 
-    def _active(self) -> Optional[routing.Entry]:
+    def active_entry(self) -> Optional[routing.Entry]:
+        """The active adapter's name, a tuple of composed KV adapters, or None (disabled, or none active)."""
         if self.prompt_bank.disable_adapters or not self.active_adapters:
             return None
-        if len(self.active_adapters) > 1 and not set(self.active_adapters) <= set(self._kv_names()):
+        if len(self.active_adapters) > 1 and not set(self.active_adapters) <= set(self.kv_adapter_names()):
             raise ValueError(
                 f"Only one soft prompt can be active at a time, got active adapters {self.active_adapters}; only KV "
                 "adapters compose. Call `model.set_adapter(name)`."
@@ -205,7 +208,8 @@ class SoftPromptPlusModel(BaseTuner):
         active = tuple(self.active_adapters)
         return active if len(active) > 1 else active[0]
 
-    def _kv_names(self) -> list[str]:
+    def kv_adapter_names(self) -> list[str]:
+        """The names of this model's KV adapters (the ones that compose)."""
         return [name for name, config in self.peft_config.items() if config.prompt_level == PromptLevel.KV]
 
     def is_kv(self, entry: routing.Entry) -> bool:
