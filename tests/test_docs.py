@@ -360,3 +360,16 @@ def test_the_kernel_list_in_concepts_md_is_every_name_last_kernels_can_hold():
     shown = set(re.findall(r"`((?:sdpa|eager|flash|concat)\w*)`", bullet))
     shown = {n for n in shown if not n.startswith("flash_attention_")}  # attn_implementation names, not kernels
     assert names == shown, f"code only: {sorted(names - shown)}; concepts.md only: {sorted(shown - names)}"
+
+
+def test_bench_readme_lists_every_script_and_the_docs_that_quote_it():
+    import re
+
+    text = (ROOT / "bench" / "README.md").read_text()
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `(\w+\.py)` \|.*\| ([^|]+) \|$", text, re.M)}
+    scripts = {p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_")}
+    assert sorted(rows) == sorted(scripts), "bench/README.md's table and bench/'s scripts differ"
+    pages = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+    for script, cell in rows.items():
+        quoting = {p.name for p in pages if script in p.read_text()}
+        assert set(re.findall(r"\[([\w.-]+\.md)\]", cell)) - {"RESULTS.md"} == quoting, f"{script}: {cell}"
