@@ -29,12 +29,11 @@ import argparse
 import json
 import pickle
 import random
-import re
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import _cartridge_arm
+import _distill_arms as arms
 import torch
 from _distill_table import table
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -46,73 +45,6 @@ from peft_softprompt_plus.distill.data import kept_ids, pad_id, prepare
 from peft_softprompt_plus.distill.score import gap_closed, held_out_kl
 from peft_softprompt_plus.distill.teacher import KEPT_ONLY, TEACHER, attach_teacher, quoted_rows
 from peft_softprompt_plus.forward.routing import BASE
-
-DATA = Path(__file__).resolve().parent / "distill_content"
-OUT = Path(__file__).resolve().parent / "out"
-
-
-class Arm(NamedTuple):
-    """One arm's options; arms with the same turns_per_part and greedy_part_replies share the teacher's samples."""
-
-    turns_per_part: int
-    answer_weight: float
-    num_virtual_tokens: int
-    in_system_turn: bool = False
-    greedy_part_replies: bool = False
-    quote_parts: int = 0
-    keep_facts: bool = False  # keep the prompt's facts as hard text (`keep_text`: the prompt folder's kept.txt)
-    prompt_level: str = "input"  # "kv": a KV student
-    prompt_init: str = "text"  # a KV student's start: "text" (the first N tokens' keys/values) or "selected"
-
-
-_KV = (False, False, 0, False, "kv")  # a KV student: no system-turn placement, no kept text
-ARMS = {
-    "generic turns (0.3 defaults)": (0, 0.0, 16, False, False),
-    "+ 3 turns per part": (3, 0.0, 16, False, False),
-    "+ 3 turns per part, answer weight 0.5": (3, 0.5, 16, False, False),
-    "+ 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, False, False),
-    "+ 3 turns per part, answer weight 0.5, N=64": (3, 0.5, 64, False, False),
-    "+ 3 turns per part, answer weight 1.0, N=64": (3, 1.0, 64, False, False),
-    "+ in the system turn": (3, 0.5, 16, True, False),
-    "+ in the system turn, N=32": (3, 0.5, 32, True, False),
-    "+ in the system turn, N=64": (3, 0.5, 64, True, False),
-    "+ greedy part replies, answer weight 0.5, N=64": (3, 0.5, 64, False, True),
-    "+ greedy part replies, N=64": (3, 0.0, 64, False, True),
-    "+ greedy and quoted part replies, answer weight 0.5, N=64": (3, 0.5, 64, False, True, 3),
-    "+ 3 turns per part, answer weight 0.5, N=16, facts kept as hard text": (3, 0.5, 16, False, False, 0, True),
-    "+ in the system turn, N=16, facts kept as hard text": (3, 0.5, 16, True, False, 0, True),
-    "+ 3 turns per part, answer weight 0.5, N=64, facts kept as hard text": (3, 0.5, 64, False, False, 0, True),
-    "KV, selected start, 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, *_KV, "selected"),
-    "KV, text start, 3 turns per part, answer weight 0.5, N=32": (3, 0.5, 32, *_KV, "text"),
-}
-ARMS["+ 3 turns per part, answer weight 0.5, N=32, facts kept as hard text"] = (3, 0.5, 32, False, False, 0, True)
-ARMS["PEFT CARTRIDGE, text start, 3 turns per part, answer weight 0.5, N=32"] = (3, 0.5, 32, *_KV, "text")
-for _n in (8, 16, 64, 128):  # the N curve of the KV student
-    ARMS[f"KV, selected start, 3 turns per part, answer weight 0.5, N={_n}"] = (3, 0.5, _n, *_KV, "selected")
-DEFAULT_ARMS = list(ARMS)[:3]
-
-
-def _tag(data: Path) -> str:
-    """ "" for the bike-shop prompt (the earlier files' names kept), else "-<folder>"."""
-    return "" if data == DATA else f"-{data.name}"
-
-
-def _keep_text(data: Path, keep: bool):
-    """A "facts kept as hard text" arm's passage: the prompt folder's kept.txt (its paragraphs of facts)."""
-    return (data / "kept.txt").read_text().strip() if keep else None
-
-
-def _samples(data: Path, seed: int, per_part: int, length: int, greedy: bool, quotes: int, fresh: bool, study=False):
-    """The teacher's samples kept from an earlier process for this seed, turns per part, continuation length, greedy
-    part replies and quoting questions, or None."""
-    tail = (
-        ("" if length == 24 else f"-len{length}")
-        + ("-greedy" if greedy else "")
-        + (f"-quote{quotes}" if quotes else "")
-        + ("-selfstudy" if study else "")
-    )  # the earlier files' names kept
-    path = OUT / f"distill_content_samples{_tag(data)}-seed{seed}-parts{per_part}{tail}.pkl"
-    return path, (None if fresh or not path.exists() else pickle.loads(path.read_bytes()))
 
 
 @torch.no_grad()
@@ -156,19 +88,6 @@ def _kept_interval(rows: list[dict], draws: int = 2000) -> tuple[float, float]:
     return kept[int(0.025 * len(kept))], kept[int(0.975 * len(kept)) - 1]
 
 
-def _knobs(args) -> str:
-    """The recipe flags that change an arm's adapter, for its folder's name ("" at their defaults)."""
-    return "".join(
-        tag for tag, on in ((f" lr {args.lr}", args.lr is not None), (" self-study", args.self_study),
-                            (f" top {args.kl_top_k}", args.kl_top_k), (f" sink {args.kv_frozen_positions}",
-                                                                        args.kv_frozen_positions is not None)) if on
-    )  # fmt: skip
-
-
-def _adapter_dir(data: Path, name: str, seed: int) -> Path:
-    return OUT / ("adapter" + _tag(data) + "-" + re.sub(r"\W+", "-", name).strip("-") + f"-seed{seed}")
-
-
 @torch.no_grad()
 def _held_out_gaps(model, tokenizer, system_prompt: str, samples, keep_text) -> dict:
     """Held-out KL gap closed, from the seed's saved samples, by the saved student and (with `keep_text`) by the kept
@@ -193,13 +112,13 @@ def _score_only(names, seed, path, tokenizer, data: Path, system_prompt: str, kn
 
     teacher_replies = {}
     for name in names:
-        folder = _adapter_dir(data, name + knobs, seed)
+        folder = arms.adapter_dir(data, name + knobs, seed)
         if not folder.exists():
             raise SystemExit(f"--score-only: no adapter for {name!r} seed {seed} at {folder}; run the arm first")
-        arm = Arm(*ARMS[name])
-        keep_text = _keep_text(data, arm.keep_facts)
+        arm = arms.Arm(*arms.ARMS[name])
+        keep_text = arms.keep_text(data, arm.keep_facts)
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), folder)
-        samples = _samples(data, seed, arm.turns_per_part, 24, arm.greedy_part_replies, arm.quote_parts, False)[1]
+        samples = arms.samples(data, seed, arm.turns_per_part, 24, arm.greedy_part_replies, arm.quote_parts, False)[1]
         kl = None if samples is None else _held_out_gaps(model, tokenizer, system_prompt, samples, keep_text)
         u, kept_only = _user_probes(model, tokenizer, data, system_prompt, teacher_replies, keep_text)
         figures = dict(
@@ -211,7 +130,7 @@ def _score_only(names, seed, path, tokenizer, data: Path, system_prompt: str, kn
             kept_text_only=None if kept_only is None else dict(student=kept_only.student, kept=kept_only.kept),
             user_replies=u.replies,
         )  # fmt: skip
-        with open(OUT / "distill_content.jsonl", "a") as log:
+        with open(arms.OUT / "distill_content.jsonl", "a") as log:
             log.write(json.dumps(figures) + "\n")
         low, high = figures["user_probes"]["kept_95"]
         only = "" if kept_only is None else f"; kept text alone {kept_only.student:.2f} (kept {kept_only.kept:.0%})"
@@ -235,7 +154,7 @@ def main() -> None:
         "--max-new-tokens", type=int, default=24, help="length of the teacher's training continuations (default 24)"
     )
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
-    parser.add_argument("--arm", action="append", help=f"one arm, repeatable (default the first 3): {list(ARMS)}")
+    parser.add_argument("--arm", action="append", help=f"one arm, repeatable (default the first 3): {list(arms.ARMS)}")
     parser.add_argument("--fresh", action="store_true", help="draw the teacher's samples again")
     parser.add_argument(
         "--prompt",
@@ -248,43 +167,43 @@ def main() -> None:
     )
     parser.add_argument("--table", action="store_true", help="print every recorded arm on --prompt over its seeds")
     args = parser.parse_args()
-    names = args.arm or DEFAULT_ARMS
-    unknown = [name for name in names if name not in ARMS]
+    names = args.arm or arms.DEFAULT_ARMS
+    unknown = [name for name in names if name not in arms.ARMS]
     if unknown:
-        raise SystemExit(f"--arm: unknown {unknown}; known: {list(ARMS)}")
+        raise SystemExit(f"--arm: unknown {unknown}; known: {list(arms.ARMS)}")
     torch.set_num_threads(args.threads)
     evaluate_at = [int(step) for step in args.evaluate_at.split(",") if step]
     path = fetch_checkpoint("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    data = DATA / args.prompt if args.prompt else DATA
+    data = arms.DATA / args.prompt if args.prompt else arms.DATA
     if not (data / "system_prompt.txt").exists():
-        raise SystemExit(f"--prompt: {args.prompt!r} has no system_prompt.txt under {DATA}")
+        raise SystemExit(f"--prompt: {args.prompt!r} has no system_prompt.txt under {arms.DATA}")
     system_prompt = (data / "system_prompt.txt").read_text().strip()
     results, teacher_replies = {}, {}
-    OUT.mkdir(exist_ok=True)
+    arms.OUT.mkdir(exist_ok=True)
     if args.table:
-        return print(table(OUT / "distill_content.jsonl", data.name if args.prompt else DATA.name, data))
+        return print(table(arms.OUT / "distill_content.jsonl", data.name if args.prompt else arms.DATA.name, data))
     if args.score_only:
-        return _score_only(names, args.seed, path, tokenizer, data, system_prompt, _knobs(args))
+        return _score_only(names, args.seed, path, tokenizer, data, system_prompt, arms.knobs(args))
     for name in names:
-        per_part, weight, n, in_turn, greedy, quotes, keep, level, init = Arm(*ARMS[name])
-        keep_text = _keep_text(data, keep)
-        kept, samples = _samples(
+        per_part, weight, n, in_turn, greedy, quotes, keep, level, init = arms.Arm(*arms.ARMS[name])
+        keep_text = arms.keep_text(data, keep)
+        kept, samples = arms.samples(
             data, args.seed, per_part, args.max_new_tokens, greedy, quotes, args.fresh, args.self_study
         )
         if quotes and samples is None and not args.fresh:
             # Quoted rows draw nothing from the RNG: the samples without them, plus them, are what a fresh draw gives.
-            samples = _samples(data, args.seed, per_part, args.max_new_tokens, greedy, 0, False)[1]
+            samples = arms.samples(data, args.seed, per_part, args.max_new_tokens, greedy, 0, False)[1]
             if samples is not None:
                 prepared = prepare(tokenizer, system_prompt, True, n)
                 samples.train += quoted_rows(tokenizer, prepared, parts(system_prompt), quotes)
         args.fresh = False  # drawn once per run
         if name.startswith("PEFT CARTRIDGE"):
-            folder = _adapter_dir(data, name + _knobs(args), args.seed)
-            scorers = (_held_out_gaps, lambda *a: _user_probes(*a, teacher_replies), folder, _knobs(args))
+            folder = arms.adapter_dir(data, name + arms.knobs(args), args.seed)
+            scorers = (_held_out_gaps, lambda *a: _user_probes(*a, teacher_replies), folder, arms.knobs(args))
             results[name] = _cartridge_arm.arm(args, path, tokenizer, data, system_prompt, samples, n, weight, scorers)
             results[name]["user_probes"]["kept_95"] = _kept_interval(results[name]["user_replies"])
-            with open(OUT / "distill_content.jsonl", "a") as log:
+            with open(arms.OUT / "distill_content.jsonl", "a") as log:
                 log.write(json.dumps({"arm": name, **results[name]}) + "\n")
             print(f"{name}: gap {results[name]['gap_closed']:.1%}, copy gap {results[name]['copy_gap']:.1e}")
             continue
@@ -306,7 +225,7 @@ def main() -> None:
         report = model.distill_report
         if samples is None:
             kept.write_bytes(pickle.dumps(report.samples))
-        model.save_pretrained(_adapter_dir(data, name + _knobs(args), args.seed))  # for --score-only
+        model.save_pretrained(arms.adapter_dir(data, name + arms.knobs(args), args.seed))  # for --score-only
         c = report.content
         u, kept_only = _user_probes(model, tokenizer, data, system_prompt, teacher_replies, keep_text)
         results[name] = dict(
@@ -325,11 +244,11 @@ def main() -> None:
                 student=kept_only.student, kept=kept_only.kept, gap_closed=report.kept_text_gap_closed,
             ),
             curve={p.step: round(gap_closed(p.held_out, report.none), 4) for p in report.curve},
-            train_cpu=report.train_cpu_seconds, knobs=_knobs(args),
+            train_cpu=report.train_cpu_seconds, knobs=arms.knobs(args),
             kv_selection="replies" if init == "selected" else None,
         )  # fmt: skip
         figures = {k: v for k, v in results[name].items() if k != "replies"}
-        with open(OUT / "distill_content.jsonl", "a") as log:
+        with open(arms.OUT / "distill_content.jsonl", "a") as log:
             log.write(json.dumps({"arm": name, **figures}) + "\n")
         print(f"{name}: {json.dumps(figures)}", flush=True)
     print(
