@@ -70,6 +70,11 @@ def test_no_module_over_300_lines():
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
 
 
+def test_no_bench_script_over_300_lines():
+    sizes = {path.name: len(path.read_text().splitlines()) for path in (ROOT / "bench").glob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
+
+
 def test_only_the_registry_changes_peft():
     # Assigning to a PEFT attribute or registering a method happens in one visible place.
     pattern = re.compile(r"setattr\(\s*(peft|PeftModel|patch\.owner)|register_peft_method|_extend_str_enum\(PeftType")
