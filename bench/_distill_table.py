@@ -43,6 +43,15 @@ def _mean_interval(values: list[float]) -> str:
     return f"{mean:.1%} [{mean - half:.1%}, {mean + half:.1%}]"
 
 
+def _gap_cell(records: list[dict]) -> str:
+    """The KL gap over the seeds that have one on the standard held-out turns (a self-study seed without the
+    standard samples has none: said with the count)."""
+    gaps = [r["gap_closed"] for r in records if r["gap_closed"] == r["gap_closed"]]
+    if not gaps:
+        return "–"
+    return _mean_interval(gaps) + ("" if len(gaps) == len(records) else f" ({len(gaps)} of {len(records)} seeds)")
+
+
 def _shares(record: dict, refusals: set[str]) -> tuple[list[dict], list[dict]]:
     """Per question: each reader's share of the facts (content probes), or whether it carried them all (refusals)."""
     content, steered = [], []
@@ -111,7 +120,7 @@ def table(log: Path, prompt: str, data: Path) -> str:
         at_budget = _at_budget(rs, budget)
         lines.append(
             f"| {arm}{' (' + tag + ')' if tag else ''} | {len(rs)} | "
-            f"{_mean_interval([r['gap_closed'] for r in rs])} | {_kept_interval(content)} | {refuse} | "
+            f"{_gap_cell(rs)} | {_kept_interval(content)} | {refuse} | "
             f"{alone_text} | {cpu:.0f} | {at_budget} |"
         )
     return "\n".join(lines)
