@@ -138,24 +138,32 @@ def greedy(model, prompts: list[list[int]], adapter: str, pad_id: int, stop_ids:
     return out
 
 
+def _written_turns(model, tokenizer, prepared: Prepared, count: int, batch_size: int, pad_id: int, how) -> list[str]:
+    """`count` distinct turns the teacher writes on the base, round after round: `how` is (the rows of round r, the
+    stop ids, which written turns to keep, what the error calls them)."""
+    rows_of, stops, keep, kind = how
+    rounds, turns = 8 * (count // batch_size + 1), []
+    for round_ in range(rounds):  # a model that repeats itself must not loop for ever
+        new = generate_rows(model, rows_of(round_), BASE, pad_id, stops, **sampling(TURN_TOKENS))
+        turns = unique_turns(turns + [t for t in (cut_turn(tokenizer, prepared, row) for row in new) if keep(t)])
+        if len(turns) >= count:
+            return turns[:count]
+    if len(turns) < 2:
+        raise ValueError(
+            f"The teacher wrote only {len(turns)} distinct {kind}(s) in {rounds} rounds; pass `user_turns` (CLI: "
+            "--user-file) instead."
+        )
+    return turns
+
+
 @torch.no_grad()
 def sample_turns(model, tokenizer, prepared: Prepared, count: int, batch_size: int, pad_id: int) -> list[str]:
     """`count` distinct user turns the teacher writes itself, after the system prompt and the template's user-turn
     opener. Read from the base on the hard ids (a plain prefix may open with no token of text at all)."""
     head = prepared.prefix_ids + opener_ids(tokenizer, prepared)
     stops = list(dict.fromkeys(prepared.stop_ids + tokenizer("\n", add_special_tokens=False)["input_ids"][-1:]))
-    turns: list[str] = []
-    for _ in range(8 * (count // batch_size + 1)):  # a model that repeats itself must not loop for ever
-        new = generate_rows(model, [head] * batch_size, BASE, pad_id, stops, **sampling(TURN_TOKENS))
-        turns = unique_turns(turns + [cut_turn(tokenizer, prepared, row) for row in new])
-        if len(turns) >= count:
-            return turns[:count]
-    if len(turns) < 2:
-        raise ValueError(
-            f"The teacher wrote only {len(turns)} distinct user turn(s) in {8 * (count // batch_size + 1)} rounds; "
-            "pass `user_turns` (CLI: --user-file) instead."
-        )
-    return turns
+    how = (lambda _: [head] * batch_size, stops, lambda turn: True, "user turn")
+    return _written_turns(model, tokenizer, prepared, count, batch_size, pad_id, how)
 
 
 # Self-study (as in Cartridges): the teacher, reading the system prompt, is asked as its assistant to write a user's
@@ -180,20 +188,13 @@ def self_study_turns(model, tokenizer, prepared: Prepared, count: int, batch_siz
     """`count` distinct user turns written by the teacher from SELF_STUDY_SEEDS, the kinds taken in turn; read from
     the base on the hard ids, each seed instruction as the user's turn and the teacher's reply as the new turn."""
     heads = [prepared.prefix_ids + prepared.suffix_ids(tokenizer, seed) for seed in SELF_STUDY_SEEDS.values()]
-    turns: list[str] = []
-    for round_ in range(8 * (count // batch_size + 1)):  # a model that repeats itself must not loop for ever
-        rows = [heads[(round_ * batch_size + i) % len(heads)] for i in range(batch_size)]
-        new = generate_rows(model, rows, BASE, pad_id, prepared.stop_ids, **sampling(TURN_TOKENS))
-        written = [cut_turn(tokenizer, prepared, row) for row in new]
-        turns = unique_turns(turns + [t for t in written if t and fits(prepared, tokenizer, t)])
-        if len(turns) >= count:
-            return turns[:count]
-    if len(turns) < 2:
-        raise ValueError(
-            f"The teacher wrote only {len(turns)} distinct self-study turn(s) in {8 * (count // batch_size + 1)} "
-            "rounds; pass `user_turns` (CLI: --user-file) instead."
-        )
-    return turns
+
+    def rows_of(round_: int) -> list[list[int]]:
+        return [heads[(round_ * batch_size + i) % len(heads)] for i in range(batch_size)]
+
+    keep = lambda turn: bool(turn) and fits(prepared, tokenizer, turn)  # noqa: E731
+    how = (rows_of, prepared.stop_ids, keep, "self-study turn")
+    return _written_turns(model, tokenizer, prepared, count, batch_size, pad_id, how)
 
 
 def _continuations(model, suffixes: list[list[int]], pad_id: int, stop_ids, batch_size: int, **how) -> list[Sample]:
