@@ -23,6 +23,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import peft  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from _stats import markdown  # noqa: E402
 from peft import PromptTuningConfig, get_peft_model  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import BitsAndBytesConfig, GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -262,12 +263,9 @@ class Row:
 
 
 def print_table(rows: list[Row]) -> None:
-    width = max(len(r.what) for r in rows)
-    print(f"\n| {'measure':<{width}} | {'value':>9} | {'cpu-time':>8} | {'target':>8} | result |")
-    print(f"|{'-' * (width + 2)}|{'-' * 11}|{'-' * 10}|{'-' * 10}|--------|")
-    for r in rows:
-        cpu = "" if r.cpu is None else r.fmt.format(r.cpu)
-        print(f"| {r.what:<{width}} | {r.fmt.format(r.value):>9} | {cpu:>8} | {r.target or '':>8} | {r.verdict:<6} |")
+    cells = [[r.what, r.fmt.format(r.value), "" if r.cpu is None else r.fmt.format(r.cpu), r.target or "", r.verdict]
+             for r in rows]  # fmt: skip
+    print("\n" + markdown(["measure", "value", "cpu-time", "target", "result"], cells))
     misses = [r for r in rows if r.verdict == "MISS"]
     print(f"\n{len(misses)} of {sum(r.target is not None for r in rows)} targets missed" + ":" * bool(misses))
     for r in misses:

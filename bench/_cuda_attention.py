@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from _stats import markdown_header, markdown_row
 from peft import PromptTuningConfig, get_peft_model
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -26,10 +27,7 @@ SHAPES = {  # name -> (LlamaConfig arguments, tokens per step)
         8192,
     ),
 }  # fmt: skip
-LENGTHS = (512, 2048, 8192)
-NS = (20, 100)
-DEV = "cuda"
-VOCAB_DRAW = 40000
+LENGTHS, NS, DEV, VOCAB_DRAW = (512, 2048, 8192), (20, 100), "cuda", 40000
 
 
 def smoke_on_cpu() -> None:
@@ -223,17 +221,17 @@ def speed(shape: str, state, deadline: float, reps: int) -> list[dict]:
 
 def _line(r: dict) -> str:
     ours, peft, floor = r["ours"], r["peft"], r["floor"]
-    return (
-        f"| {r['shape']} | {r['N']} | {r['L']} | {r['B']} | {'on' if r['ckpt'] else 'off'} | {ours.ms:.1f} | "
-        f"{peft.ms:.1f} | {floor.ms:.1f} | {peft.ms / ours.ms:.3f} | {ours.ms / floor.ms:.3f} | "
-        f"{ours.peak_mb:.0f} / {peft.peak_mb:.0f} / {floor.peak_mb:.0f} | {r['kernels']} |"
-    )
+    return markdown_row([
+        r["shape"], r["N"], r["L"], r["B"], "on" if r["ckpt"] else "off", f"{ours.ms:.1f}", f"{peft.ms:.1f}",
+        f"{floor.ms:.1f}", f"{peft.ms / ours.ms:.3f}", f"{ours.ms / floor.ms:.3f}",
+        f"{ours.peak_mb:.0f} / {peft.peak_mb:.0f} / {floor.peak_mb:.0f}", r["kernels"],
+    ])  # fmt: skip
 
 
-HEADER = (
-    "| shape | N | L | B | ckpt | ours ms | PEFT ms | floor ms | PEFT / ours | ours / floor | peak MB ours / PEFT / "
-    "floor | our kernels |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
-)
+HEADER = markdown_header([
+    "shape", "N", "L", "B", "ckpt", "ours ms", "PEFT ms", "floor ms", "PEFT / ours", "ours / floor",
+    "peak MB ours / PEFT / floor", "our kernels",
+])  # fmt: skip
 
 
 def verdicts(rows: list[dict]) -> list[str]:

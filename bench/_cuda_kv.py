@@ -9,6 +9,7 @@ import time
 
 import _cuda_attention as att
 import torch
+from _stats import markdown_header, markdown_row
 from peft import CartridgeConfig, get_peft_model
 
 from peft_softprompt_plus import SoftPromptPlusConfig
@@ -82,20 +83,20 @@ def speed(state, deadline: float, reps: int, shape: str) -> list[dict]:
     return rows
 
 
-HEADER = (
-    "| N | L | B | ckpt | KV ms | input ms | CARTRIDGE ms | floor ms | KV / floor | input / KV | CARTRIDGE / KV | "
-    "peak MB KV / input / floor | KV kernels |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-)
+HEADER = markdown_header([
+    "N", "L", "B", "ckpt", "KV ms", "input ms", "CARTRIDGE ms", "floor ms", "KV / floor", "input / KV",
+    "CARTRIDGE / KV", "peak MB KV / input / floor", "KV kernels",
+])  # fmt: skip
 
 
 def _line(r: dict) -> str:
     kv, inp, floor, cart = r["kv"], r["input"], r["floor"], r.get("cartridge")
-    return (
-        f"| {r['N']} | {r['L']} | {r['B']} | {'on' if r['ckpt'] else 'off'} | {kv.ms:.1f} | {inp.ms:.1f} | "
-        f"{cart.ms if cart else float('nan'):.1f} | {floor.ms:.1f} | {kv.ms / floor.ms:.3f} | {inp.ms / kv.ms:.3f} | "
-        f"{cart.ms / kv.ms if cart else float('nan'):.3f} | {kv.peak_mb:.0f} / {inp.peak_mb:.0f} / "
-        f"{floor.peak_mb:.0f} | {r['kernels']} |"
-    )
+    cart_ms = cart.ms if cart else float("nan")
+    return markdown_row([
+        r["N"], r["L"], r["B"], "on" if r["ckpt"] else "off", f"{kv.ms:.1f}", f"{inp.ms:.1f}", f"{cart_ms:.1f}",
+        f"{floor.ms:.1f}", f"{kv.ms / floor.ms:.3f}", f"{inp.ms / kv.ms:.3f}", f"{cart_ms / kv.ms:.3f}",
+        f"{kv.peak_mb:.0f} / {inp.peak_mb:.0f} / {floor.peak_mb:.0f}", r["kernels"],
+    ])  # fmt: skip
 
 
 def verdicts(rows: list[dict]) -> list[str]:

@@ -12,14 +12,13 @@
 from __future__ import annotations
 
 import json
-import random
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from peft_softprompt_plus.distill.content import words
+from _stats import bootstrap, markdown, t_interval
 
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57}  # two-sided 95% t quantiles by degrees of freedom
+from peft_softprompt_plus.distill.content import words
 
 
 def knobs(record: dict) -> str:
@@ -36,11 +35,8 @@ def knobs(record: dict) -> str:
 
 
 def _mean_interval(values: list[float]) -> str:
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return f"{mean:.1%}"
-    half = T95.get(len(values) - 1, 2.0) * statistics.stdev(values) / len(values) ** 0.5
-    return f"{mean:.1%} [{mean - half:.1%}, {mean + half:.1%}]"
+    mean, low, high = t_interval(values)
+    return f"{mean:.1%}" if len(values) < 2 else f"{mean:.1%} [{low:.1%}, {high:.1%}]"
 
 
 def _gap_cell(records: list[dict]) -> str:
@@ -68,13 +64,10 @@ def _kept(runs: list[list[dict]]) -> float:
     return (mean["student"] - mean["none"]) / gain if gain > 0 else float("nan")
 
 
-def _kept_interval(runs: list[list[dict]], draws: int = 2000) -> str:
-    rng, values = random.Random(0), []
-    for _ in range(draws):
-        seeds = [rng.choice(runs) for _ in runs]
-        values.append(_kept([[rng.choice(run) for _ in run] for run in seeds]))
-    values = sorted(v for v in values if v == v)
-    return f"{_kept(runs):.0%} [{values[int(0.025 * len(values))]:.0%}, {values[int(0.975 * len(values)) - 1]:.0%}]"
+def _kept_interval(runs: list[list[dict]]) -> str:
+    # Each seed's questions are drawn on their own: a share is a ratio of means, not an item-paired difference.
+    point, low, high = bootstrap(_kept, runs, paired=False)
+    return f"{point:.0%} [{low:.0%}, {high:.0%}]"
 
 
 def table(log: Path, prompt: str, data: Path) -> str:
@@ -98,13 +91,11 @@ def table(log: Path, prompt: str, data: Path) -> str:
                 r["gap_closed"] = rescored.get((r["arm"], r.get("knobs", " self-study"), r["seed"]), float("nan"))
     trained = [rs for (_, tag), rs in arms.items() if tag != "untrained"] or [[{"seconds": 0.0}]]
     budget = min(statistics.median(r.get("train_cpu", r["seconds"]) for r in rs) for rs in trained)
-    lines = [
-        f"prompt {prompt or '(top)'}: {len(probes) - len(refusals)} content probes, {len(refusals)} refusal probes; "
-        f"equal CPU time = {budget:.0f} s of training",
-        "| arm | seeds | KL gap closed | content kept | refusals steered: teacher / student | kept text alone: gap / "
-        "content | CPU s (train) | gap at equal CPU |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = [
+        "arm", "seeds", "KL gap closed", "content kept", "refusals steered: teacher / student",
+        "kept text alone: gap / content", "CPU s (train)", "gap at equal CPU",
+    ]  # fmt: skip
+    rows = []
     for (arm, tag), rs in sorted(arms.items()):
         runs = [_shares(r, refusals) for r in rs]
         content, steered = [c for c, _ in runs], [s for _, s in runs]
@@ -117,13 +108,14 @@ def table(log: Path, prompt: str, data: Path) -> str:
         )
         alone_text = "–" if not alone else f"{alone_gap:.1%} / {alone_kept:.0%}"
         cpu = statistics.median(r.get("train_cpu", r["seconds"]) for r in rs)
-        at_budget = _at_budget(rs, budget)
-        lines.append(
-            f"| {arm}{' (' + tag + ')' if tag else ''} | {len(rs)} | "
-            f"{_gap_cell(rs)} | {_kept_interval(content)} | {refuse} | "
-            f"{alone_text} | {cpu:.0f} | {at_budget} |"
-        )
-    return "\n".join(lines)
+        name = f"{arm}{' (' + tag + ')' if tag else ''}"
+        kept = _kept_interval(content)
+        rows.append([name, len(rs), _gap_cell(rs), kept, refuse, alone_text, f"{cpu:.0f}", _at_budget(rs, budget)])
+    about = (
+        f"prompt {prompt or '(top)'}: {len(probes) - len(refusals)} content probes, {len(refusals)} refusal probes; "
+        f"equal CPU time = {budget:.0f} s of training"
+    )
+    return about + "\n" + markdown(header, rows)
 
 
 def _at_budget(records: list[dict], budget: float) -> str:

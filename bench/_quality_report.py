@@ -4,18 +4,14 @@ at equal training time), the learning-rate table, the curves and bench/quality.p
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from collections import defaultdict
 from typing import Optional
 
 import _common as c
+import _stats
+from _stats import markdown, spread
 from bench_quality import BATCH, PLOT, REFERENCE, STEPS, VARIANTS, N
-
-
-def _records(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
 
 
 def _score_at(record: dict, step: int) -> Optional[float]:
@@ -43,16 +39,8 @@ def _nll_at(record: dict, step: int) -> Optional[float]:
     return next((v for t, v in zip(record["steps"], values, strict=False) if t == step and v is not None), None)
 
 
-def _fmt(values: list, scale: float = 100, digits: int = 1) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "–"
-    med, low, high = (f"{scale * v:.{digits}f}" for v in (statistics.median(values), min(values), max(values)))
-    return f"{med} ({low}–{high}, n={len(values)})"
-
-
 def cmd_report(args) -> None:
-    records = _records(args.out)
+    records = _stats.records(args.out)
     groups: dict[tuple[str, float], list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["variant"], r["lr"])].append(r)
@@ -62,10 +50,7 @@ def cmd_report(args) -> None:
     print(f"held-out exact match, % (median (min–max, seeds)); N={N}, batch {BATCH}, AdamW, {STEPS} steps")
     if budget:
         print(f"equal time: the training CPU seconds {REFERENCE} needs for {STEPS} steps = {budget:.0f} s\n")
-    print(
-        f"| variant | lr | EM, step {STEPS} | EM in {budget or 0:.0f} s | NLL, step {STEPS} | CPU s / step | about |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    rows = []
     for name, rs in main.items():
         final = [_score_at(r, STEPS) if VARIANTS[name].build else r["score"][0] for r in rs]
         timed = [_score_within(r, budget) if budget and VARIANTS[name].build else None for r in rs]
@@ -73,8 +58,9 @@ def cmd_report(args) -> None:
         step_text = f"{per_step:.2f}" if per_step else "–"
         lr = f"{rs[0]['lr']:g}" if VARIANTS[name].build else "–"
         nll = [_nll_at(r, STEPS if VARIANTS[name].build else 0) for r in rs]
-        nll_text = _fmt(nll, scale=1, digits=3)
-        print(f"| {name} | {lr} | {_fmt(final)} | {_fmt(timed)} | {nll_text} | {step_text} | {VARIANTS[name].about} |")
+        rows.append([name, lr, spread(final), spread(timed), spread(nll, 1, 3), step_text, VARIANTS[name].about])
+    header = ["variant", "lr", f"EM, step {STEPS}", f"EM in {budget or 0:.0f} s", f"NLL, step {STEPS}"]
+    print(markdown([*header, "CPU s / step", "about"], rows))
     spreads = _lr_table(groups)
     _curves(main, budget, groups)
     _targets(main, spreads)
@@ -130,14 +116,13 @@ def _lr_table(groups) -> dict[str, float]:
     spreads = {}
     print(f"\nlearning-rate sweep: held-out EM % at step {STEPS}, median over seeds; spread = max - min of medians")
     lrs = sorted({lr for table in swept.values() for lr in table})
-    print("| variant | " + " | ".join(f"{lr:g}" for lr in lrs) + " | spread |")
-    print("|---|" + "---|" * (len(lrs) + 1))
+    rows = []
     for name, table in swept.items():
         medians = {lr: statistics.median(v) for lr, v in table.items()}
         cells = [f"{100 * medians[lr]:.1f}" if lr in medians else "–" for lr in lrs]
-        spread = 100 * (max(medians.values()) - min(medians.values()))
-        spreads[name] = spread
-        print(f"| {name} | " + " | ".join(cells) + f" | {spread:.1f} |")
+        spreads[name] = 100 * (max(medians.values()) - min(medians.values()))
+        rows.append([name, *cells, f"{spreads[name]:.1f}"])
+    print(markdown(["variant", *(f"{lr:g}" for lr in lrs), "spread"], rows))
     return spreads
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import _common as c
 import torch
+from _stats import comma_list
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -213,7 +214,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     system_prompt = (DATA / "system_prompt.txt").read_text().strip()
     sizes, steps = ((16,), 20) if args.quick else (SIZES, args.steps)
-    evaluate_at = () if args.quick else tuple(int(s) for s in args.evaluate_at.split(",") if int(s) <= steps)
+    evaluate_at = () if args.quick else tuple(s for s in comma_list(args.evaluate_at) if s <= steps)
     rows: list[c.Row] = []
     students = distill_sizes(path, tokenizer, system_prompt, sizes, steps, evaluate_at, args, rows)
     reports = {n: m.distill_report for n, m in students.items()}

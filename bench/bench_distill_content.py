@@ -36,6 +36,7 @@ import _cartridge_arm
 import _distill_arms as arms
 import torch
 from _distill_table import table
+from _stats import comma_list, markdown
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus import DistillOptions, distill_prompt
@@ -172,7 +173,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--arm: unknown {unknown}; known: {list(arms.ARMS)}")
     torch.set_num_threads(args.threads)
-    evaluate_at = [int(step) for step in args.evaluate_at.split(",") if step]
+    evaluate_at = comma_list(args.evaluate_at)
     path = fetch_checkpoint("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(path)
     data = arms.DATA / args.prompt if args.prompt else arms.DATA
@@ -251,17 +252,16 @@ def main() -> None:
         with open(arms.OUT / "distill_content.jsonl", "a") as log:
             log.write(json.dumps({"arm": name, **figures}) + "\n")
         print(f"{name}: {json.dumps(figures)}", flush=True)
-    print(
-        "\n| arm | KL gap closed | content: teacher / student / none | kept | user probes: teacher / student / none "
-        "| kept |\n|---|---|---|---|---|---|"
-    )
+    rows = []
     for name, r in results.items():
         u = r["user_probes"]
-        print(
-            f"| {name} | {r['gap_closed']:.1%} | {r['teacher']:.2f} / {r['student']:.2f} / {r['none']:.2f} | "
-            f"{r['kept']:.0%} | {u['teacher']:.2f} / {u['student']:.2f} / {u['none']:.2f} | {u['kept']:.0%} "
-            f"({u['kept_95'][0]:.0%}–{u['kept_95'][1]:.0%}) |"
-        )
+        rows.append([
+            name, f"{r['gap_closed']:.1%}", f"{r['teacher']:.2f} / {r['student']:.2f} / {r['none']:.2f}",
+            f"{r['kept']:.0%}", f"{u['teacher']:.2f} / {u['student']:.2f} / {u['none']:.2f}",
+            f"{u['kept']:.0%} ({u['kept_95'][0]:.0%}–{u['kept_95'][1]:.0%})",
+        ])  # fmt: skip
+    header = ["arm", "KL gap closed", "content: teacher / student / none", "kept"]
+    print("\n" + markdown([*header, "user probes: teacher / student / none", "kept"], rows))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from _stats import comma_list  # noqa: E402
 from peft import LoraConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup  # noqa: E402
 
@@ -206,14 +207,14 @@ def run_one(name: str, lr: Optional[float], seed: int, steps: int, eval_at: tupl
 def cmd_run(args) -> None:
     torch.set_num_threads(args.threads)
     path = fetch_checkpoint("smollm2")
-    names = args.variants.split(",") if args.variants else list(VARIANTS)
+    names = comma_list(args.variants, str) if args.variants else list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
-    lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else [None]
-    eval_at = tuple(int(x) for x in args.eval_at.split(",")) if args.eval_at else EVAL_AT
+    lrs = comma_list(args.lrs, float) if args.lrs else [None]
+    eval_at = tuple(comma_list(args.eval_at)) if args.eval_at else EVAL_AT
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    for seed in (int(s) for s in args.seeds.split(",")):
+    for seed in comma_list(args.seeds):
         for name in names:
             for lr in lrs:
                 record = run_one(name, lr, seed, args.steps, eval_at, path)

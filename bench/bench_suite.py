@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import _suite_kv as kv  # noqa: E402
 import bench_quality as q  # noqa: E402
 import torch  # noqa: E402
+from _stats import comma_list  # noqa: E402
 from _suite_report import cmd_report  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -134,10 +135,10 @@ def cmd_run(args) -> None:
     torch.set_num_threads(args.threads)
     path = fetch_checkpoint("smollm2")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    eval_at = tuple(int(x) for x in args.eval_at.split(","))
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for task in args.tasks.split(","):
-            for name in args.variants.split(","):
+    eval_at = tuple(comma_list(args.eval_at))
+    for seed in comma_list(args.seeds):
+        for task in comma_list(args.tasks, str):
+            for name in comma_list(args.variants, str):
                 record = run_one(task, name, seed, args.steps, eval_at, path, args.lr)
                 with open(args.out, "a", encoding="utf-8") as handle:
                     handle.write(json.dumps(record) + "\n")

