@@ -390,3 +390,28 @@ def test_the_distillation_defaults_the_docs_state_are_the_code_s():
     line = " ".join(api[api.index("`lr`, `prompt_init` and `self_study` left None") :].split("\n")[:3])
     for level, d in LEVEL_DEFAULTS.items():
         assert f"{d['lr']:.0e}".replace("e-0", "e-") in line and f'`"{d["prompt_init"]}"`' in line, level
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but `-` and `_` dropped, spaces to `-`."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_every_relative_link_and_anchor_in_the_docs_resolves():
+    pages = [*PAGES, ROOT / "bench" / "README.md", ROOT / "bench" / "RESULTS.md", ROOT / "CHANGELOG.md"]
+    broken = []
+    for page in (p for p in pages if p.exists()):
+        text = FENCE.sub("", page.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", FENCE.sub("", file.read_text()), re.M)
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(f"{page.name}: {target} (no such heading)")
+    assert broken == []
