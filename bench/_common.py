@@ -23,7 +23,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import peft  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from _stats import markdown  # noqa: E402
 from peft import PromptTuningConfig, get_peft_model  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import BitsAndBytesConfig, GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -238,39 +237,27 @@ def ratio(times: dict[str, Timings], num: str, den: str) -> tuple[float, float]:
     return times[num].med() / times[den].med(), times[num].med("cpu") / times[den].med("cpu")
 
 
-# ---------------------------------------------------------------------------------------------- report
+# ---------------------------------------------------------------------------------------------- a run
 
 
-_COMPARE = {">=": float.__ge__, "<=": float.__le__, ">": float.__gt__, "<": float.__lt__}
+def timing_flags(parser, quick: str, threads: int = 1, reps: Optional[int] = None) -> None:
+    """The flags every timing bench takes: `--quick` (what its smoke test runs), `--threads`, `--reps`."""
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--threads", type=int, default=threads, help="torch threads; 0 keeps torch's default")
+    if reps is not None:
+        parser.add_argument("--reps", type=int, default=reps, help="timed rounds")
 
 
-@dataclass
-class Row:
-    """One line of a result table; `target` is None for context-only figures."""
-
-    what: str
-    value: float  # judged against `target`; for timings, from wall-clock medians
-    cpu: Optional[float] = None  # the same figure from process-CPU-time medians, as a cross-check
-    target: Optional[str] = None  # e.g. ">= 2.0"
-    fmt: str = "{:.3f}"
-
-    @property
-    def verdict(self) -> str:
-        if self.target is None:
-            return ""
-        op, bound = self.target.split()
-        return "PASS" if _COMPARE[op](self.value, float(bound)) else "MISS"
-
-
-def print_table(rows: list[Row]) -> None:
-    cells = [[r.what, r.fmt.format(r.value), "" if r.cpu is None else r.fmt.format(r.cpu), r.target or "", r.verdict]
-             for r in rows]  # fmt: skip
-    print("\n" + markdown(["measure", "value", "cpu-time", "target", "result"], cells))
-    misses = [r for r in rows if r.verdict == "MISS"]
-    print(f"\n{len(misses)} of {sum(r.target is not None for r in rows)} targets missed" + ":" * bool(misses))
-    for r in misses:
-        print(f"  MISS {r.what}: {r.fmt.format(r.value)} (target {r.target})")
-    print("value: from wall-clock medians (the verdict); cpu-time: the same ratio from process-CPU-time medians.")
+@contextlib.contextmanager
+def timed_run(args, about: str = "") -> Iterator[None]:
+    """A timing bench's run: its torch threads, quiet logs, the machine before (with `about`) and after, the total."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quiet()
+    start = time.perf_counter()
+    print(f"machine: {machine()}" + (f"\n{about}" if about else ""), flush=True)
+    yield
+    print(f"\nmachine at the end: {machine()}\ntotal {time.perf_counter() - start:.0f} s")
 
 
 def machine() -> str:

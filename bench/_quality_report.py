@@ -8,9 +8,8 @@ import statistics
 from collections import defaultdict
 from typing import Optional
 
-import _common as c
 import _stats
-from _stats import markdown, spread
+from _stats import Row, markdown, print_table, spread
 from bench_quality import BATCH, PLOT, REFERENCE, STEPS, VARIANTS, N
 
 
@@ -81,27 +80,27 @@ def _targets(main: dict, spreads: dict) -> None:
     if ours and peft_pt:
         best, best_peft = max(ours, key=ours.get), max(peft_pt, key=peft_pt.get)
         gap = 100 * (ours[best] - peft_pt[best_peft])
-        rows.append(c.Row(f"best ours ({best}) - best PEFT PROMPT_TUNING ({best_peft}), points", gap, target=">= 5"))
+        rows.append(Row(f"best ours ({best}) - best PEFT PROMPT_TUNING ({best_peft}), points", gap, target=">= 5"))
     if ours and "hard-3shot" in medians:
         best = max(ours, key=ours.get)
         rows.append(
-            c.Row(
+            Row(
                 f"best ours ({best}) - hard 3-shot, points", 100 * (ours[best] - medians["hard-3shot"]), target=">= 15"
             )
         )
     if {"ours-residual", "ours-random"} <= medians.keys():
         diff = 100 * (medians["ours-residual"] - medians["ours-random"])
-        rows.append(c.Row("residual - plain (random init), points", diff, target=">= 0"))
+        rows.append(Row("residual - plain (random init), points", diff, target=">= 0"))
     if {"ours-residual", "ours-random"} <= spreads.keys():
         diff = spreads["ours-residual"] - spreads["ours-random"]
-        rows.append(c.Row("lr spread residual - plain, points (smaller is better)", diff, target="<= 0"))
+        rows.append(Row("lr spread residual - plain, points (smaller is better)", diff, target="<= 0"))
     if "peft-lora-r8" in medians and ours:
         best = max(ours, key=ours.get)
         rows.append(
-            c.Row(f"LoRA r=8 - best ours ({best}), points (context)", 100 * (medians["peft-lora-r8"] - ours[best]))
+            Row(f"LoRA r=8 - best ours ({best}), points (context)", 100 * (medians["peft-lora-r8"] - ours[best]))
         )
     if rows:
-        c.print_table([dataclasses.replace(r, fmt="{:.1f}") for r in rows])
+        print_table([dataclasses.replace(r, fmt="{:.1f}") for r in rows])
 
 
 def _lr_table(groups) -> dict[str, float]:

@@ -1,13 +1,15 @@
 """What every quality bench shares after its runs: the lists a command line names (seeds, steps), the intervals over
 seeds and items, and the Markdown tables the reports print. Standard library only, so a report reads its records
-without loading torch. Timing is _common.py's (`interleaved`, `Timings`, the PASS/MISS `print_table`)."""
+without loading torch; and the figures-against-targets table every bench ends with (`Row`, `print_table`). Timing is
+_common.py's (`interleaved`, `Timings`, `timed_run`)."""
 
 from __future__ import annotations
 
 import json
 import random
 import statistics
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # two-sided, by d.o.f.
 
@@ -81,3 +83,35 @@ def markdown_row(cells: Sequence[object]) -> str:
 def markdown(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A Markdown table: a header row, the rule, a row per entry."""
     return "\n".join([markdown_header(header), *map(markdown_row, rows)])
+
+
+_COMPARE = {">=": float.__ge__, "<=": float.__le__, ">": float.__gt__, "<": float.__lt__}
+
+
+@dataclass
+class Row:
+    """One line of a result table; `target` is None for context-only figures."""
+
+    what: str
+    value: float  # judged against `target`; for timings, from wall-clock medians
+    cpu: Optional[float] = None  # the same figure from process-CPU-time medians, as a cross-check
+    target: Optional[str] = None  # e.g. ">= 2.0"
+    fmt: str = "{:.3f}"
+
+    @property
+    def verdict(self) -> str:
+        if self.target is None:
+            return ""
+        op, bound = self.target.split()
+        return "PASS" if _COMPARE[op](self.value, float(bound)) else "MISS"
+
+
+def print_table(rows: list[Row]) -> None:
+    cells = [[r.what, r.fmt.format(r.value), "" if r.cpu is None else r.fmt.format(r.cpu), r.target or "", r.verdict]
+             for r in rows]  # fmt: skip
+    print("\n" + markdown(["measure", "value", "cpu-time", "target", "result"], cells))
+    misses = [r for r in rows if r.verdict == "MISS"]
+    print(f"\n{len(misses)} of {sum(r.target is not None for r in rows)} targets missed" + ":" * bool(misses))
+    for r in misses:
+        print(f"  MISS {r.what}: {r.fmt.format(r.value)} (target {r.target})")
+    print("value: from wall-clock medians (the verdict); cpu-time: the same ratio from process-CPU-time medians.")

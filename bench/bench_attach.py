@@ -9,10 +9,10 @@ probe alone against its floor, one forward+backward of the base over N+1 positio
 from __future__ import annotations
 
 import argparse
-import time
 
 import _common as c
 import torch
+from _stats import Row, print_table
 
 from peft_softprompt_plus import check_gradient_flow
 
@@ -28,20 +28,18 @@ def _floor(base, tokens: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shape, 3 rounds: a smoke test in seconds")
-    parser.add_argument("--repeats", type=int, default=7, help="timed rounds (3 with --quick)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared CPU)")
+    c.timing_flags(parser, quick="tiny shape, 3 rounds: a smoke test in seconds", reps=7)
     parser.add_argument("--layers", type=int, default=None, help="default: the shape's (12; 4 with --quick)")
     parser.add_argument("--virtual-tokens", type=int, default=20)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    c.quiet()
-    start = time.perf_counter()
     shape = c.TINY if args.quick else c.SMALL
     shape = shape.replace(n_layer=args.layers or shape.n_layer)
-    reps, tokens = 3 if args.quick else args.repeats, args.virtual_tokens
-    print(f"machine: {c.machine()}\n{shape.describe()}, N={tokens}; median of {reps} rounds after 1 warm-up round")
+    reps, tokens = 3 if args.quick else args.reps, args.virtual_tokens
+    with c.timed_run(args, f"{shape.describe()}, N={tokens}; median of {reps} rounds after 1 warm-up round"):
+        run(shape, reps, tokens)
 
+
+def run(shape: c.Shape, reps: int, tokens: int) -> None:
     bases = [shape.base().eval()]  # attaching wraps it in place; unloading (untimed) hands the next call a bare base
 
     def attach(mode: str):
@@ -60,12 +58,11 @@ def main() -> None:
         print(f"  {name:<6} {t.line()}", flush=True)
     off_ms = (1e3 * times["off"].med(), 1e3 * times["off"].med("cpu"))
     rows = [
-        c.Row("get_peft_model, validate_gradients='off', ms (context)", *off_ms, fmt="{:.1f}"),
-        c.Row("probe alone / floor (context)", *c.ratio(times, "probe", "floor")),
-        c.Row("get_peft_model, validate_gradients 'raise' / 'off'", *c.ratio(times, "raise", "off"), TARGET),
+        Row("get_peft_model, validate_gradients='off', ms (context)", *off_ms, fmt="{:.1f}"),
+        Row("probe alone / floor (context)", *c.ratio(times, "probe", "floor")),
+        Row("get_peft_model, validate_gradients 'raise' / 'off'", *c.ratio(times, "raise", "off"), TARGET),
     ]
-    c.print_table(rows)
-    print(f"\nmachine at the end: {c.machine()}\ntotal {time.perf_counter() - start:.0f} s")
+    print_table(rows)
 
 
 if __name__ == "__main__":

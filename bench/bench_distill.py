@@ -18,7 +18,7 @@ from pathlib import Path
 
 import _common as c
 import torch
-from _stats import comma_list
+from _stats import Row, comma_list, print_table
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,7 +79,7 @@ def _cache_bytes_per_row(model, batch: dict, **kwargs) -> float:
     return sum(x.keys.nbytes + x.values.nbytes for x in out.cache.layers) / batch["input_ids"].shape[0]
 
 
-def bench_generate(path, tokenizer, student, prepared, turns, rows: list[c.Row], reps: int) -> None:
+def bench_generate(path, tokenizer, student, prepared, turns, rows: list[Row], reps: int) -> None:
     """The N=16 soft prompt against the hard prompt fed as tokens to the base, in one interleaved run; the hard prefix
     as a stored prompt (our teacher adapter, the engine's shared prefix) for context."""
     suffixes = [prepared.suffix_ids(tokenizer, t) for t in turns[:GEN_ROWS]]
@@ -103,17 +103,17 @@ def bench_generate(path, tokenizer, student, prepared, turns, rows: list[c.Row],
     tag = f"generate {GEN_ROWS} held-out turns x {NEW_TOKENS} tokens"
     for name, t in times.items():
         print(f"  [{tag}] {name:<20} {t.line()}; cache {cache[name] / 1024:.0f} KB per row", flush=True)
-    rows.append(c.Row(f"{tag}: soft (N=16) / hard", *c.ratio(times, "soft", "hard")))
-    rows.append(c.Row(f"{tag}: hard, stored prefix / hard", *c.ratio(times, "hard, stored prefix", "hard")))
+    rows.append(Row(f"{tag}: soft (N=16) / hard", *c.ratio(times, "soft", "hard")))
+    rows.append(Row(f"{tag}: hard, stored prefix / hard", *c.ratio(times, "hard, stored prefix", "hard")))
     for name in ("soft", "hard"):
         per_token = (
             1e3 * times[name].med() / GEN_ROWS / NEW_TOKENS,
             1e3 * times[name].med("cpu") / GEN_ROWS / NEW_TOKENS,
         )
-        rows.append(c.Row(f"generate: {name}, ms per row and new token", *per_token, fmt="{:.1f}"))
+        rows.append(Row(f"generate: {name}, ms per row and new token", *per_token, fmt="{:.1f}"))
     for name in variants:
-        rows.append(c.Row(f"generate: cache KB per row, {name}", cache[name] / 1024, fmt="{:.0f}"))
-    rows.append(c.Row("generate: cache bytes per row, soft / hard", cache["soft"] / cache["hard"]))
+        rows.append(Row(f"generate: cache KB per row, {name}", cache[name] / 1024, fmt="{:.0f}"))
+    rows.append(Row("generate: cache bytes per row, soft / hard", cache["soft"] / cache["hard"]))
     config = student.get_base_model().config
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4 / 1024  # KB, float32
     print(f"  prompt keys/values, held once (not per row): soft {16 * per_token:.0f} KB, hard prefix "
@@ -145,7 +145,7 @@ def _plot(reports: dict, none_kl: float, out: Path) -> str:
     return f"plot written to {out}"
 
 
-def distill_sizes(path, tokenizer, system_prompt, sizes, steps, evaluate_at, args, rows: list[c.Row]) -> dict:
+def distill_sizes(path, tokenizer, system_prompt, sizes, steps, evaluate_at, args, rows: list[Row]) -> dict:
     """One student per N, all trained on the same teacher samples (drawn once, or read from --samples)."""
     samples = None
     if args.samples and os.path.exists(args.samples):
@@ -177,11 +177,11 @@ def distill_sizes(path, tokenizer, system_prompt, sizes, steps, evaluate_at, arg
                 pickle.dump(report.samples, handle)
         samples, students[n] = report.samples, student
         per_step = report.train_seconds / steps, report.train_cpu_seconds / steps
-        rows.append(c.Row(f"N={n}: held-out KL, student", report.student.kl, fmt="{:.4f}"))
-        rows.append(c.Row(f"N={n}: gap closed", report.gap_closed, target=GAP_TARGET if n == 16 else None))
-        rows.append(c.Row(f"N={n}: greedy first token = teacher's", report.student.first_token, fmt="{:.2f}"))
-        rows.append(c.Row(f"N={n}: greedy first 16 tokens = teacher's", report.student.first_16, fmt="{:.2f}"))
-        rows.append(c.Row(f"N={n}: training s per step", *per_step, fmt="{:.2f}"))
+        rows.append(Row(f"N={n}: held-out KL, student", report.student.kl, fmt="{:.4f}"))
+        rows.append(Row(f"N={n}: gap closed", report.gap_closed, target=GAP_TARGET if n == 16 else None))
+        rows.append(Row(f"N={n}: greedy first token = teacher's", report.student.first_token, fmt="{:.2f}"))
+        rows.append(Row(f"N={n}: greedy first 16 tokens = teacher's", report.student.first_16, fmt="{:.2f}"))
+        rows.append(Row(f"N={n}: training s per step", *per_step, fmt="{:.2f}"))
     return students
 
 
@@ -215,25 +215,25 @@ def main() -> None:
     system_prompt = (DATA / "system_prompt.txt").read_text().strip()
     sizes, steps = ((16,), 20) if args.quick else (SIZES, args.steps)
     evaluate_at = () if args.quick else tuple(s for s in comma_list(args.evaluate_at) if s <= steps)
-    rows: list[c.Row] = []
+    rows: list[Row] = []
     students = distill_sizes(path, tokenizer, system_prompt, sizes, steps, evaluate_at, args, rows)
     reports = {n: m.distill_report for n, m in students.items()}
     first = next(iter(reports.values()))
     none = first.none
     rows.append(
-        c.Row("teacher adapter vs hard ids: max rel logit diff", first.teacher_gap, target="<= 1e-05", fmt="{:.1e}")
+        Row("teacher adapter vs hard ids: max rel logit diff", first.teacher_gap, target="<= 1e-05", fmt="{:.1e}")
     )
-    rows.append(c.Row("no system prompt: held-out KL", none.kl, fmt="{:.4f}"))
-    rows.append(c.Row("no system prompt: greedy first token, first 16", none.first_token, none.first_16, fmt="{:.2f}"))
+    rows.append(Row("no system prompt: held-out KL", none.kl, fmt="{:.4f}"))
+    rows.append(Row("no system prompt: greedy first token, first 16", none.first_token, none.first_16, fmt="{:.2f}"))
     default_kl = default_system_kl(_with_teacher(path, first.samples.prefix_ids), tokenizer, first.samples)
-    rows.append(c.Row("template's default system prompt: held-out KL", default_kl, fmt="{:.4f}"))
+    rows.append(Row("template's default system prompt: held-out KL", default_kl, fmt="{:.4f}"))
     print_curves(reports)
     if evaluate_at:
         print(_plot(reports, none.kl, Path(args.plot)))
     print("\ngenerate: soft prompt (N=16) against the hard prompt", flush=True)
     prepared = prepare(tokenizer, system_prompt, True, 16)
     bench_generate(path, tokenizer, students[16], prepared, _lines("held_out_turns.txt"), rows, 1 if args.quick else 3)
-    c.print_table(rows)
+    print_table(rows)
     wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     print(f"\nmachine at the end: {c.machine()}")
     print(f"total {wall:.0f} s wall, {cpu:.0f} s cpu; seed {args.seed}, lr {args.lr}, steps {steps}")

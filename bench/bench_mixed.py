@@ -9,10 +9,10 @@ Method, targets and commands: bench/README.md.
 from __future__ import annotations
 
 import argparse
-import time
 
 import _common as c
 import torch
+from _stats import Row, print_table
 from peft import PromptTuningConfig
 
 from peft_softprompt_plus import SoftPromptPlusConfig
@@ -43,7 +43,7 @@ def _peft(shape: c.Shape, ours):
     return model
 
 
-def bench(shape: c.Shape, train: bool, reps: int, warmup: int, rows: list[c.Row]) -> None:
+def bench(shape: c.Shape, train: bool, reps: int, warmup: int, rows: list[Row]) -> None:
     tag = f"{shape.name} L={shape.length} {'train step' if train else 'forward'}"
     ids = shape.ids()
     ours = _ours(shape).train(train)
@@ -82,29 +82,22 @@ def bench(shape: c.Shape, train: bool, reps: int, warmup: int, rows: list[c.Row]
     times = c.interleaved(steps, reps, warmup)
     for name, t in times.items():
         print(f"  [{tag}] {name:<8} {t.line()}", flush=True)
-    rows.append(c.Row(f"{tag}: |mean loss mixed - PEFT|", abs(loss_mixed - loss_peft), target=EXACT, fmt="{:.1e}"))
-    rows.append(c.Row(f"{tag}: 4 adapters mixed / one adapter", *c.ratio(times, "mixed", "one"), SAME_WORK))
-    rows.append(c.Row(f"{tag}: PEFT 4 batches of 4 / ours mixed", *c.ratio(times, "peft4x4", "mixed"), SPEEDUP))
+    rows.append(Row(f"{tag}: |mean loss mixed - PEFT|", abs(loss_mixed - loss_peft), target=EXACT, fmt="{:.1e}"))
+    rows.append(Row(f"{tag}: 4 adapters mixed / one adapter", *c.ratio(times, "mixed", "one"), SAME_WORK))
+    rows.append(Row(f"{tag}: PEFT 4 batches of 4 / ours mixed", *c.ratio(times, "peft4x4", "mixed"), SPEEDUP))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="L=32 only, 2 rounds after 1 warm-up: a smoke test")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads; 0 keeps torch's default")
-    parser.add_argument("--reps", type=int, default=7, help="timed rounds")
+    c.timing_flags(parser, quick="L=32 only, 2 rounds after 1 warm-up: a smoke test", reps=7)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    c.quiet()
-    start = time.perf_counter()
     reps, warmup, lengths = (2, 1, (32,)) if args.quick else (args.reps, 2, (128, 32))
-    print(f"machine: {c.machine()}\n{c.TINY.describe()}; B=16, 4 adapters x N={N}; median of {reps} rounds")
-    rows: list[c.Row] = []
-    for length in lengths:
-        for train in (True, False):
-            bench(c.TINY.replace(batch=16, length=length), train, reps, warmup, rows)
-    c.print_table(rows)
-    print(f"\nmachine at the end: {c.machine()}\ntotal {time.perf_counter() - start:.0f} s")
+    with c.timed_run(args, f"{c.TINY.describe()}; B=16, 4 adapters x N={N}; median of {reps} rounds"):
+        rows: list[Row] = []
+        for length in lengths:
+            for train in (True, False):
+                bench(c.TINY.replace(batch=16, length=length), train, reps, warmup, rows)
+        print_table(rows)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,12 @@ gradient checkpointing off and on. Method and targets: bench/README.md.
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 
 import _common as c
 import bench_speed as speed
 import torch
+from _stats import Row, print_table
 from transformers import AutoModelForCausalLM
 
 from peft_softprompt_plus.apps.fetch import CHECKPOINTS, fetch_checkpoint
@@ -70,23 +70,22 @@ def real_shape(name: str, dtype: str, batch: int, length: int) -> RealShape:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="N=100 only, 2 rounds after 1 warm-up, no generate")
+    c.timing_flags(parser, quick="N=100 only, 2 rounds after 1 warm-up, no generate", threads=2, reps=5)
     parser.add_argument("--model", choices=sorted(CHECKPOINTS), default="smollm2")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the base's weights")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads; 0 keeps torch's default")
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds per figure")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--kv-only", action="store_true", help="the KV arms only (KV, input, CARTRIDGE, prefix)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    c.quiet()
-    start = time.perf_counter()
+    with c.timed_run(args):
+        run(args)
+
+
+def run(args) -> None:
     shape = real_shape(args.model, args.dtype, args.batch, args.length)
-    print(f"machine: {c.machine()}\n\n{shape.describe()}; B={shape.batch}, L={shape.length}", flush=True)
+    print(f"\n{shape.describe()}; B={shape.batch}, L={shape.length}", flush=True)
     reps, warmup = (2, 1) if args.quick else (args.reps, 1)
-    rows: list[c.Row] = []
+    rows: list[Row] = []
     for checkpointing in (False, True):
         for n in (100,) if args.quick else (20, 100):
             if not args.kv_only:
@@ -97,8 +96,7 @@ def main() -> None:
         if not args.kv_only:
             speed.bench_generate(shape, reps, warmup, rows, TARGETS)
         speed.bench_kv_generate(shape, reps, warmup, rows)
-    c.print_table(rows)
-    print(f"\nmachine at the end: {c.machine()}\ntotal {time.perf_counter() - start:.0f} s")
+    print_table(rows)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import _common as c
 import _memory as mem
 import torch
+from _stats import Row, print_table
 
 NEW_TOKENS = 32
 GEN_PROMPTS = 8
@@ -41,7 +41,7 @@ class Targets:
 
 
 def bench_train(
-    shape: c.Shape, n: int, checkpointing: bool, reps: int, warmup: int, rows: list[c.Row], targets=Targets()
+    shape: c.Shape, n: int, checkpointing: bool, reps: int, warmup: int, rows: list[Row], targets=Targets()
 ) -> None:
     tag = f"{shape.name} N={n} ckpt={'on' if checkpointing else 'off'}"
     ids = shape.ids()
@@ -56,8 +56,8 @@ def bench_train(
     grad_rel = ((prompt.grad - c.peft_prompt(ref).grad).norm() / c.peft_prompt(ref).grad.norm()).item()
     loss_diff = abs(loss.item() - ref_loss.item())
     print(f"  [{tag}] ours vs PEFT: |loss diff| {loss_diff:.1e}, prompt-grad rel diff {grad_rel:.1e}", flush=True)
-    rows.append(c.Row(f"{tag}: |loss ours - PEFT|", loss_diff, target=targets.exact, fmt="{:.1e}"))
-    rows.append(c.Row(f"{tag}: prompt grad rel diff ours vs PEFT", grad_rel, target=targets.exact_grad, fmt="{:.1e}"))
+    rows.append(Row(f"{tag}: |loss ours - PEFT|", loss_diff, target=targets.exact, fmt="{:.1e}"))
+    rows.append(Row(f"{tag}: prompt grad rel diff ours vs PEFT", grad_rel, target=targets.exact_grad, fmt="{:.1e}"))
 
     steps = {
         "ours": c.train_step(model, ids, [prompt]),
@@ -68,27 +68,23 @@ def bench_train(
     for name, t in times.items():
         print(f"  [{tag}] {name:<6} {t.line()}", flush=True)
     rows.append(
-        c.Row(
-            f"{tag}: train step PEFT / ours", *c.ratio(times, "peft", "ours"), targets.speedup.get((checkpointing, n))
-        )
+        Row(f"{tag}: train step PEFT / ours", *c.ratio(times, "peft", "ours"), targets.speedup.get((checkpointing, n)))
     )
     rows.append(
-        c.Row(
+        Row(
             f"{tag}: train step ours / floor",
             *c.ratio(times, "ours", "floor"),
             targets.over_floor.get((checkpointing, n)),
         )
     )
-    rows.append(c.Row(f"{tag}: train step ours, ms (context)", 1e3 * times["ours"].med(), fmt="{:.0f}"))
+    rows.append(Row(f"{tag}: train step ours, ms (context)", 1e3 * times["ours"].med(), fmt="{:.0f}"))
     if n == 100:
         peaks = {
             name: mem.step_peak(step, m) for (name, step), m in zip(steps.items(), (model, ref, floor), strict=True)
         }
         print("  [" + tag + "] step peak MB: " + ", ".join(f"{k} {v / c.MB:.1f}" for k, v in peaks.items()))
-        rows.append(
-            c.Row(f"{tag}: step peak memory ours / PEFT", peaks["ours"] / peaks["peft"], target=targets.memory)
-        )
-        rows.append(c.Row(f"{tag}: step peak memory floor / PEFT (context)", peaks["floor"] / peaks["peft"]))
+        rows.append(Row(f"{tag}: step peak memory ours / PEFT", peaks["ours"] / peaks["peft"], target=targets.memory))
+        rows.append(Row(f"{tag}: step peak memory floor / PEFT (context)", peaks["floor"] / peaks["peft"]))
 
 
 # KV prompts (N=100, the tiny shape's targets): ours KV / floor; PEFT CARTRIDGE / ours KV; step peak memory ours KV
@@ -98,7 +94,7 @@ KV_AGAINST_CARTRIDGE = ">= 0.95"
 KV_MEMORY = "< 1"
 
 
-def bench_kv_train(shape: c.Shape, n: int, checkpointing: bool, reps: int, warmup: int, rows: list[c.Row]) -> None:
+def bench_kv_train(shape: c.Shape, n: int, checkpointing: bool, reps: int, warmup: int, rows: list[Row]) -> None:
     """A KV prompt's step in one run with ours input, PEFT CARTRIDGE and PREFIX_TUNING (checkpointing off: PEFT
     refuses it for both) and the floor; exactness against CARTRIDGE holding the same keys/values."""
     tag = f"{shape.name} N={n} ckpt={'on' if checkpointing else 'off'} KV"
@@ -118,9 +114,9 @@ def bench_kv_train(shape: c.Shape, n: int, checkpointing: bool, reps: int, warmu
         want = params["cartridge"][0].grad
         grad_rel = ((leaf.grad.permute(3, 0, 1, 2, 4).reshape(want.shape) - want).norm() / want.norm()).item()
         rows.append(
-            c.Row(f"{tag}: |loss ours - CARTRIDGE|", abs(loss.item() - ref_loss.item()), target=EXACT, fmt="{:.1e}")
+            Row(f"{tag}: |loss ours - CARTRIDGE|", abs(loss.item() - ref_loss.item()), target=EXACT, fmt="{:.1e}")
         )
-        rows.append(c.Row(f"{tag}: grad rel diff ours vs CARTRIDGE", grad_rel, target=EXACT, fmt="{:.1e}"))
+        rows.append(Row(f"{tag}: grad rel diff ours vs CARTRIDGE", grad_rel, target=EXACT, fmt="{:.1e}"))
     floor = shape.base(checkpointing).train()
     steps = {name: c.train_step(model, ids, params[name]) for name, model in models.items()}
     steps["floor"] = c.floor_step(floor, ids)
@@ -129,15 +125,13 @@ def bench_kv_train(shape: c.Shape, n: int, checkpointing: bool, reps: int, warmu
         print(f"  [{tag}] {name:<9} {t.line()}", flush=True)
     at_target = n == 100 and shape.name == "tiny"
     rows.append(
-        c.Row(
-            f"{tag}: train step ours KV / floor", *c.ratio(times, "kv", "floor"), KV_OVER_FLOOR if at_target else None
-        )
+        Row(f"{tag}: train step ours KV / floor", *c.ratio(times, "kv", "floor"), KV_OVER_FLOOR if at_target else None)
     )
-    rows.append(c.Row(f"{tag}: train step ours input / ours KV (context)", *c.ratio(times, "input", "kv")))
+    rows.append(Row(f"{tag}: train step ours input / ours KV (context)", *c.ratio(times, "input", "kv")))
     for peft_arm in ("cartridge", "prefix"):
         if peft_arm in times:
             target = KV_AGAINST_CARTRIDGE if peft_arm == "cartridge" else None
-            rows.append(c.Row(f"{tag}: train step PEFT {peft_arm} / ours KV", *c.ratio(times, peft_arm, "kv"), target))
+            rows.append(Row(f"{tag}: train step PEFT {peft_arm} / ours KV", *c.ratio(times, peft_arm, "kv"), target))
     models["floor"] = floor
     peaks = {name: mem.step_peak(steps[name], models[name]) for name in steps}
     print("  [" + tag + "] step peak MB: " + ", ".join(f"{k} {v / c.MB:.1f}" for k, v in peaks.items()))
@@ -145,10 +139,10 @@ def bench_kv_train(shape: c.Shape, n: int, checkpointing: bool, reps: int, warmu
         if other in peaks:
             target = KV_MEMORY if other != "prefix" else None
             ratio = peaks["kv"] / peaks[other]
-            rows.append(c.Row(f"{tag}: step peak memory ours KV / {other}", ratio, target=target, fmt="{:.4f}"))
+            rows.append(Row(f"{tag}: step peak memory ours KV / {other}", ratio, target=target, fmt="{:.4f}"))
 
 
-def bench_kv_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row], target: Optional[str] = GENERATE):
+def bench_kv_generate(shape: c.Shape, reps: int, warmup: int, rows: list[Row], target: Optional[str] = GENERATE):
     """`generate` with a KV prompt (N=100) against the base model, and against its lifted input prompt's tokens."""
     ids, mask = _gen_inputs(shape)
     base = shape.base().eval()
@@ -160,7 +154,7 @@ def bench_kv_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row],
         )
     for name, t in times.items():
         print(f"  [{tag}] {name:<6} {t.line()}", flush=True)
-    rows.append(c.Row(f"{tag}: ours KV / base model", *c.ratio(times, "kv", "base"), target))
+    rows.append(Row(f"{tag}: ours KV / base model", *c.ratio(times, "kv", "base"), target))
 
 
 def _gen_inputs(shape: c.Shape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +179,7 @@ def _cache_bytes_per_row(model, ids, mask) -> float:
     return sum(x.keys.nbytes + x.values.nbytes for x in layers) / ids.shape[0]
 
 
-def bench_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row], targets=Targets()) -> None:
+def bench_generate(shape: c.Shape, reps: int, warmup: int, rows: list[Row], targets=Targets()) -> None:
     ids, mask = _gen_inputs(shape)
     base = shape.base().eval()
     cache_bytes = {}
@@ -202,9 +196,9 @@ def bench_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row], ta
             )
         for name, t in times.items():
             print(f"  [{tag}] {name:<6} {t.line()}", flush=True)
-        rows.append(c.Row(f"{tag}: tokens equal the concatenation path", float(same), target=">= 1", fmt="{:.0f}"))
+        rows.append(Row(f"{tag}: tokens equal the concatenation path", float(same), target=">= 1", fmt="{:.0f}"))
         rows.append(
-            c.Row(f"{tag}: ours / base model", *c.ratio(times, "ours", "base"), targets.generate if n == 100 else None)
+            Row(f"{tag}: ours / base model", *c.ratio(times, "ours", "base"), targets.generate if n == 100 else None)
         )
     with torch.no_grad():
         base_bytes = _cache_bytes_per_row(base, ids, mask)
@@ -213,7 +207,7 @@ def bench_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row], ta
         + ", ".join(f"N={n} {b / 1024:.0f}" for n, b in cache_bytes.items())
     )
     rows.append(
-        c.Row(
+        Row(
             f"{shape.name} generate: cache bytes per row, N=100 / N=20",
             cache_bytes[100] / cache_bytes[20],
             target="<= 1.0",
@@ -223,20 +217,18 @@ def bench_generate(shape: c.Shape, reps: int, warmup: int, rows: list[c.Row], ta
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shape only, 2 rounds after 1 warm-up")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads; 0 keeps torch's default")
-    parser.add_argument("--reps", type=int, default=7, help="timed rounds, tiny shape")
+    c.timing_flags(parser, quick="tiny shape only, 2 rounds after 1 warm-up", reps=7)
     parser.add_argument("--small-reps", type=int, default=3, help="timed rounds, GPT-2-small shape")
     parser.add_argument("--only", choices=["tiny", "small"], default=None, help="one shape only")
     parser.add_argument("--kv-only", action="store_true", help="the KV arms only (KV, input, CARTRIDGE, prefix)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    c.quiet()
-    start = time.perf_counter()
     malloc = {k: os.environ[k] for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if k in os.environ}
-    print(f"machine: {c.machine()}\nallocator: {malloc or 'glibc defaults'}")
-    rows: list[c.Row] = []
+    with c.timed_run(args, f"allocator: {malloc or 'glibc defaults'}"):
+        run(args)
+
+
+def run(args) -> None:
+    rows: list[Row] = []
     reps, warmup = (2, 1) if args.quick else (args.reps, 2)
     shapes = [(c.TINY, reps, warmup)] + ([] if args.quick else [(c.SMALL, args.small_reps, 1)])
     for shape, shape_reps, shape_warmup in shapes:
@@ -254,8 +246,7 @@ def main() -> None:
         if not args.kv_only:
             bench_generate(c.TINY, *gen_reps, rows)
         bench_kv_generate(c.TINY, *gen_reps, rows)
-    c.print_table(rows)
-    print(f"\nmachine at the end: {c.machine()}\ntotal {time.perf_counter() - start:.0f} s")
+    print_table(rows)
 
 
 if __name__ == "__main__":

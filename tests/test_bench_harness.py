@@ -50,6 +50,13 @@ def test_comma_lists_and_markdown():
     assert _stats.spread([0.5, None, 0.25, 0.75]) == "50.0 (25.0–75.0, n=3)"
 
 
+def test_a_row_is_judged_against_its_target_and_context_rows_are_not():
+    assert _stats.Row("ratio", 2.0, target=">= 2.0").verdict == "PASS"
+    assert _stats.Row("ratio", 1.99, target=">= 2.0").verdict == "MISS"
+    assert _stats.Row("ratio", 1.3, target="<= 1.25").verdict == "MISS"
+    assert _stats.Row("context", 9.0).verdict == ""
+
+
 def test_no_bench_script_writes_its_own_table_rule_or_comma_list_parser():
     found = {}
     for path in BENCH.glob("*.py"):
