@@ -38,10 +38,10 @@ def variant(name: str, task: str, lr) -> tuple:
     return q.Variant(about, lambda *args: build(*args, task), lr=KV_LR if lr is None else lr), copied
 
 
-def _ours_kv(init: str):
+def _ours_kv(init: str, **options):
     def build(base, seed, tokenizer, split, task):
         text = {"prompt_init_text": DESCRIPTIONS[task], "tokenizer_name_or_path": tokenizer.name_or_path}
-        config = {"num_virtual_tokens": q.N, "init_seed": seed, "prompt_level": "kv", "prompt_init": init}
+        config = {"num_virtual_tokens": q.N, "init_seed": seed, "prompt_level": "kv", "prompt_init": init, **options}
         config.update(text if init == "text" else {})
         return get_peft_model(base, SoftPromptPlusConfig(task_type="CAUSAL_LM", **config))
 
@@ -71,6 +71,12 @@ def _cartridge():
 VARIANTS = {
     "ours-kv-vocab": ("this library, prompt_level='kv', a sampled-vocabulary start lifted", _ours_kv("vocab"), False),
     "ours-kv-text": ("this library, prompt_level='kv', the task description's keys/values", _ours_kv("text"), False),
+    "ours-kv-text-nosink": (
+        "this library, prompt_level='kv', the task description's keys/values, every position trained "
+        "(kv_frozen_positions=0, as PEFT PREFIX_TUNING)",
+        _ours_kv("text", kv_frozen_positions=0),
+        False,
+    ),
     "peft-prefix-text": ("PEFT PREFIX_TUNING from the task description's keys/values", _peft_kv(_prefix), True),
     "peft-cartridge-text": ("PEFT CARTRIDGE from the task description's keys/values", _peft_kv(_cartridge), True),
 }

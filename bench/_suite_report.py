@@ -113,7 +113,7 @@ def _curves(mine: dict) -> None:
 
 # Our forms of prompt and PEFT's prompt methods: the targets compare our best form with the hard 3-shot and
 # with PEFT's best prompt method at equal time. LoRA is context, not a prompt method.
-OURS = ("ours-vocab", "ours-kv-vocab", "ours-kv-text")
+OURS = ("ours-vocab", "ours-kv-vocab", "ours-kv-text", "ours-kv-text-nosink")
 PEFT_PROMPTS = ("peft-pt-vocab", "peft-pt-random", "peft-p-tuning", "peft-prefix-text", "peft-cartridge-text")
 
 
