@@ -69,8 +69,16 @@ def _cartridge():
 
 # name -> (about, build(base, seed, tokenizer, split, task), scored through a copy); every arm trains at KV_LR
 VARIANTS = {
-    "ours-kv-vocab": ("this library, prompt_level='kv', a sampled-vocabulary start lifted", _ours_kv("vocab"), False),
-    "ours-kv-text": ("this library, prompt_level='kv', the task description's keys/values", _ours_kv("text"), False),
+    "ours-kv-vocab": (
+        "this library, prompt_level='kv', a sampled-vocabulary start lifted, the sink frozen (kv_frozen_positions=1)",
+        _ours_kv("vocab", kv_frozen_positions=1),
+        False,
+    ),
+    "ours-kv-text": (
+        "this library, prompt_level='kv', the task description's keys/values, the sink frozen (kv_frozen_positions=1)",
+        _ours_kv("text", kv_frozen_positions=1),
+        False,
+    ),
     "ours-kv-text-nosink": (
         "this library, prompt_level='kv', the task description's keys/values, every position trained "
         "(kv_frozen_positions=0, as PEFT PREFIX_TUNING)",

@@ -41,6 +41,7 @@ def make_model(forward_path: str = "auto", level: str = "input"):
         init_seed=0,
         forward_path=forward_path,
         prompt_level=level,
+        kv_frozen_positions=1 if level == "kv" else None,  # a frozen sink rides along with the trained positions
     )
     return get_peft_model(tiny_gpt2(seed=0), config).train()
 

@@ -378,16 +378,16 @@ def test_bench_readme_lists_every_script_and_the_docs_that_quote_it():
 def test_the_distillation_defaults_the_docs_state_are_the_code_s():
     from peft_softprompt_plus.distill.checks import LEVEL_DEFAULTS
     from peft_softprompt_plus.distill.run import SELECTION_ROWS
-    from peft_softprompt_plus.method.config_checks import kv_frozen_default
 
     kv, text = LEVEL_DEFAULTS["kv"], (ROOT / "docs" / "distillation.md").read_text()
     recipe = text[text.index("**The KV student's recipe**") :].split("\n\n")[0]
     assert f"lr {kv['lr']:.0e}".replace("e-0", "e-") in recipe and f"the `{kv['prompt_init']}` start" in recipe
     assert ("self-study" in recipe) == kv["self_study"]
-    assert f"(`kv_frozen_positions` {kv_frozen_default(32)})" in recipe  # the default at the N it was measured
+    assert f"(`kv_frozen_positions` {kv['kv_frozen_positions']})" in recipe
     assert f"reply positions of {SELECTION_ROWS} rows" in text
     api = (ROOT / "docs" / "api.md").read_text()
-    line = " ".join(api[api.index("`lr`, `prompt_init` and `self_study` left None") :].split("\n")[:3])
+    start = api.index("`lr`, `prompt_init`, `self_study` and `kv_frozen_positions` left None")
+    line = " ".join(api[start:].split("\n")[:3])
     for level, d in LEVEL_DEFAULTS.items():
         assert f"{d['lr']:.0e}".replace("e-0", "e-") in line and f'`"{d["prompt_init"]}"`' in line, level
 

@@ -208,7 +208,8 @@ def test_a_kv_prompt_equals_cartridge_and_the_input_prompt_it_was_lifted_from(lo
 
     source = attach(load())
     source.save_pretrained(tmp_path)
-    kv = attach(load(), prompt_level="kv", prompt_init="adapter", prompt_init_adapter=str(tmp_path))
+    lifted = dict(prompt_init="adapter", prompt_init_adapter=str(tmp_path), kv_frozen_positions=1)  # as CARTRIDGE's
+    kv = attach(load(), prompt_level="kv", **lifted)
     assert kv.base_model.prompt_bank.values("default").shape == (30, 2, 3, N, 64)
     batch = texts(real_tokenizer, SENTENCES)
     real = batch["attention_mask"].bool()

@@ -64,6 +64,7 @@ def test_each_student_form_takes_its_measured_defaults_and_a_given_value_wins(to
         assert report.lr == defaults["lr"] and config.prompt_level == level
         assert ("selected" in report.init) == (defaults["prompt_init"] == "selected")
         assert report.samples.self_study is False  # given turns: nothing for the teacher to write
+        assert config.kv_frozen_positions == defaults["kv_frozen_positions"]  # a KV student keeps its sink frozen
     model = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, prompt_level="kv", lr=0.5,
                            prompt_init="text", kv_frozen_positions=0, kl_top_k=5, user_turns=USERS,
                            held_out_turns=HELD_OUT, **KW)  # fmt: skip

@@ -30,7 +30,8 @@ def base():
 
 @pytest.fixture
 def trained(tmp_path):
-    model = get_peft_model(base(), SoftPromptPlusConfig(num_virtual_tokens=5, prompt_level="kv", init_seed=0))
+    config = SoftPromptPlusConfig(num_virtual_tokens=5, prompt_level="kv", init_seed=0, kv_frozen_positions=1)
+    model = get_peft_model(base(), config)
     model.add_adapter("other", SoftPromptPlusConfig(num_virtual_tokens=3, prompt_level="kv", kv_frozen_positions=0))
     with torch.no_grad():
         for name in ("default", "other"):

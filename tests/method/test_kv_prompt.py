@@ -44,9 +44,10 @@ def test_kv_fields_on_an_input_config_are_refused():
         SoftPromptPlusConfig(num_virtual_tokens=5, kv_text_start=9)
 
 
-def test_the_sink_is_frozen_by_default_and_recorded():
-    assert SoftPromptPlusConfig(prompt_level="kv", num_virtual_tokens=5).kv_frozen_positions == 1
-    assert SoftPromptPlusConfig(prompt_level="kv", num_virtual_tokens=1).kv_frozen_positions == 0  # one to train
+def test_every_position_trains_by_default_and_the_choice_is_recorded():
+    assert SoftPromptPlusConfig(prompt_level="kv", num_virtual_tokens=5).kv_frozen_positions == 0
+    sink = SoftPromptPlusConfig(prompt_level="kv", num_virtual_tokens=5, kv_frozen_positions=1)
+    assert sink.kv_frozen_positions == 1
     assert SoftPromptPlusConfig(num_virtual_tokens=5).kv_frozen_positions is None  # input prompts have none
 
 
@@ -153,7 +154,7 @@ def test_a_sliding_window_model_refuses_a_later_text_start():
 
 
 def test_the_sink_stays_frozen_through_training_and_set_adapter(tmp_path):
-    model = kv(tiny_family("llama", VOCAB), init_seed=0).train()
+    model = kv(tiny_family("llama", VOCAB), init_seed=0, kv_frozen_positions=1).train()
     bank = model.base_model.prompt_bank
     sink, start = bank.sinks["default"].detach().clone(), bank.prompts["default"].detach().clone()
     assert not bank.sinks["default"].requires_grad and bank.prompts["default"].shape[-2] == 4

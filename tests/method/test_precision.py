@@ -426,7 +426,8 @@ def test_a_kv_prompt_stays_float32_and_trains_on_every_base(tiny_model_dir, kind
     except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
         pytest.skip(f"bitsandbytes {bnb.__version__} can't load a {kind} model on this machine: {err}")
     before = _base_snapshot(base)
-    model = get_peft_model(base, SoftPromptPlusConfig(num_virtual_tokens=N, prompt_level="kv", init_seed=0))
+    config = SoftPromptPlusConfig(num_virtual_tokens=N, prompt_level="kv", init_seed=0, kv_frozen_positions=1)
+    model = get_peft_model(base, config)
     bank = model.base_model.prompt_bank
     assert {p.dtype for p in bank.parameters()} == {torch.float32}
     scaler = torch.amp.GradScaler("cpu") if kind == "fp16" else None

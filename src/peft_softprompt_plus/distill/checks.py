@@ -9,14 +9,14 @@ INITS = {"input": ("text", "vocab", "random"), "kv": ("text", "vocab", "random",
 # What `lr`, `prompt_init` and `self_study` left None mean for each student form: the recipe measured best
 # (bench/RESULTS.md, "KV students").
 LEVEL_DEFAULTS = {
-    "input": {"lr": 3e-2, "prompt_init": "text", "self_study": False},
-    "kv": {"lr": 1e-3, "prompt_init": "selected", "self_study": True},
+    "input": {"lr": 3e-2, "prompt_init": "text", "self_study": False, "kv_frozen_positions": None},
+    "kv": {"lr": 1e-3, "prompt_init": "selected", "self_study": True, "kv_frozen_positions": 1},
 }
 
 
 def level_defaults(prompt_level, **given) -> dict:
-    """`given` (lr, prompt_init, self_study), each None replaced by `prompt_level`'s default (an unknown level is
-    refused later)."""
+    """`given` (lr, prompt_init, self_study, kv_frozen_positions), each None replaced by `prompt_level`'s default (an
+    unknown level is refused later)."""
     defaults = LEVEL_DEFAULTS.get(prompt_level, LEVEL_DEFAULTS["input"])
     return {name: defaults[name] if value is None else value for name, value in given.items()}
 

@@ -29,7 +29,9 @@ class DistillOptions:
     prompt_init: Optional[str] = _option(
         None, "The start: 'text', 'vocab', 'random', or for a KV student 'selected' (default: the form's own)."
     )
-    kv_frozen_positions: Optional[int] = _option(None, "A KV student's frozen leading positions, the attention sink.")
+    kv_frozen_positions: Optional[int] = _option(
+        None, "A KV student's frozen leading positions, the attention sink (None: 1, the KV recipe's)."
+    )
     in_system_turn: bool = _option(False, "Place the soft tokens inside the template's system turn.")
     keep_text: Optional[str] = _option(None, "A passage of the system prompt kept as hard text after the soft tokens.")
     chat: bool = _option(True, "Through the model's chat template (False: a plain text prefix).")

@@ -106,9 +106,14 @@ def distill_prompt(
     folder) with `model.distill_report` (a `DistillReport`). Its inputs are formatted by `student_inputs`. The 0.3
     keywords (`old_keywords`: `steps=...`) still work, with a FutureWarning, until 0.4.0. See docs/distillation.md."""
     o = from_keywords(options, old_keywords)
+    sink_given = o.kv_frozen_positions is not None
     o = dataclasses.replace(
-        o, **level_defaults(o.prompt_level, lr=o.lr, prompt_init=o.prompt_init, self_study=o.self_study)
-    )
+        o,
+        **level_defaults(
+            o.prompt_level, lr=o.lr, prompt_init=o.prompt_init, self_study=o.self_study,
+            kv_frozen_positions=o.kv_frozen_positions,
+        ),
+    )  # fmt: skip
     counts = dict(num_virtual_tokens=o.num_virtual_tokens, steps=o.steps, batch_size=o.batch_size)
     counts.update(samples_per_turn=o.samples_per_turn, held_out_samples_per_turn=o.held_out_samples_per_turn)
     counts.update(max_new_tokens=o.max_new_tokens, sampled_turns=o.sampled_turns)
@@ -145,8 +150,9 @@ def distill_prompt(
     chosen = o.prompt_init == "selected"  # attach from noise; the selection replaces it once the samples are drawn
     # A selected student's text reads on from where the whole system turn ended, as the teacher's does.
     level = {"prompt_level": o.prompt_level, **({"kv_text_start": len(prepared.prefix_ids)} if chosen else {})}
-    if o.kv_frozen_positions is not None:
-        level["kv_frozen_positions"] = o.kv_frozen_positions
+    if o.kv_frozen_positions is not None:  # the default sink leaves one position to train at N=1
+        sink = o.kv_frozen_positions
+        level["kv_frozen_positions"] = sink if sink_given else min(sink, o.num_virtual_tokens - 1)
     start = "random" if chosen else o.prompt_init
     config = distill_data.init_config(tokenizer, prepared, o.num_virtual_tokens, o.seed, start, **level)
     config.chat_format = "student" if o.chat else None  # how a server formats its messages (`student_inputs`)

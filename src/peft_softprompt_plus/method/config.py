@@ -9,7 +9,7 @@ from peft.config import PeftConfig
 from peft.utils import PeftType
 
 from .._names import METHOD
-from .config_checks import CHECKS, CHOICES, is_kv, kv_frozen_default
+from .config_checks import CHECKS, CHOICES, KV_FROZEN_DEFAULT, is_kv
 from .options import ForwardPath, PromptInit, PromptLevel, Reparameterization, ValidateGradients
 
 __all__ = [
@@ -54,8 +54,9 @@ class SoftPromptPlusConfig(PeftConfig):
     kv_frozen_positions: Optional[int] = field(
         default=None,
         metadata={
-            "help": "`prompt_level='kv'`: how many leading positions stay frozen (the attention sink, as in PEFT's "
-            "CARTRIDGE and Cartridges). None: 1 (0 when N is 1). Must leave at least one position to train."
+            "help": "`prompt_level='kv'`: how many leading positions stay frozen (1: the attention sink, as in PEFT's "
+            "CARTRIDGE and Cartridges). None: 0, every position trained, as PEFT PREFIX_TUNING (measured ahead on the "
+            "task suite). Must leave at least one position to train."
         },
     )
     kv_text_start: Optional[int] = field(
@@ -210,4 +211,4 @@ class SoftPromptPlusConfig(PeftConfig):
             setattr(self, name, choice(getattr(self, name)))  # the enum member (a str)
         if is_kv(self) and self.kv_frozen_positions is None:
             # Written into the saved config, so a later change of the default never changes a saved adapter.
-            self.kv_frozen_positions = kv_frozen_default(self.num_virtual_tokens)
+            self.kv_frozen_positions = KV_FROZEN_DEFAULT
