@@ -115,7 +115,8 @@ def add_parser(sub) -> None:
         "--kv-frozen-positions",
         type=int,
         default=None,
-        help="With --prompt-level kv: the leading positions kept frozen, the attention sink (default: 1, the KV student's recipe).",
+        help="With --prompt-level kv: the leading positions kept frozen, the attention sink (default: 1, the KV "
+        "student's recipe).",
     )
     _teacher_flags(distill)
     distill.set_defaults(func=_distill)

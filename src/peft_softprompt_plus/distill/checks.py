@@ -6,8 +6,8 @@ from __future__ import annotations
 from . import content as distill_content
 
 INITS = {"input": ("text", "vocab", "random"), "kv": ("text", "vocab", "random", "selected")}
-# What `lr`, `prompt_init` and `self_study` left None mean for each student form: the recipe measured best
-# (bench/RESULTS.md, "KV students").
+# What `lr`, `prompt_init`, `self_study` and `kv_frozen_positions` left None mean for each student form: the recipe
+# measured best (bench/RESULTS.md, "KV students").
 LEVEL_DEFAULTS = {
     "input": {"lr": 3e-2, "prompt_init": "text", "self_study": False, "kv_frozen_positions": None},
     "kv": {"lr": 1e-3, "prompt_init": "selected", "self_study": True, "kv_frozen_positions": 1},
