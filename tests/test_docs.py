@@ -415,3 +415,109 @@ def test_every_relative_link_and_anchor_in_the_docs_resolves():
                 if anchor not in {_slug(h) for h in headings}:
                     broken.append(f"{page.name}: {target} (no such heading)")
     assert broken == []
+
+
+# ------------------------------------------------------------------------------ figures quoted from bench/RESULTS.md
+
+
+def _results_section(heading: str) -> str:
+    """bench/RESULTS.md from the heading that starts with `heading` to the next heading of its level or above."""
+    text = (ROOT / "bench" / "RESULTS.md").read_text()
+    start = text.index(f"\n{heading}") + 1
+    body = text.index("\n", start)
+    end = re.search(r"^#{1,%d} " % len(heading.split(" ")[0]), text[body:], re.M)
+    return text[start : body + end.start()] if end else text[start:]
+
+
+def _md_table(text: str, header_start: str) -> list[dict[str, str]]:
+    """The rows of the first table in `text` whose header line starts with `header_start`, as header -> cell."""
+    lines = text[text.index(header_start) :].splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True)))
+    return rows
+
+
+SUITE_KV = "## Task suite: KV arms against PEFT's prefix methods"
+SUITE_KV_ANCHOR = "task-suite-kv-arms-against-pefts-prefix-methods-bench_suitepy-2026-12-06"
+
+
+def test_the_kv_step_saving_training_recipe_md_quotes_is_the_suite_s_cpu_table():
+    """The KV prompt's step against the input prompt's, as the suite's KV section's CPU-seconds table gives it."""
+    rows = _md_table(_results_section(SUITE_KV), "| task | ours-vocab | ours-kv-vocab |")
+    kv = [float(r["ours-kv-text-nosink"]) for r in rows]
+    vocab = [float(r["ours-vocab"]) for r in rows]
+    saved = [round(100 * (1 - k / v)) for k, v in zip(kv, vocab, strict=True)]
+    text = " ".join((ROOT / "docs" / "training-recipe.md").read_text().split())
+    quoted = f"step {min(saved)}–{max(saved)}% cheaper (no prompt pass: " + ", ".join(f"{k:.2f}" for k in kv[:-1])
+    assert quoted + f" and {kv[-1]:.2f} CPU s against " in text, saved
+    assert ", ".join(f"{v:.2f}" for v in vocab[:-1]) + f" and {vocab[-1]:.2f}" in text
+    assert f"RESULTS.md#{SUITE_KV_ANCHOR}" in text and "up to 30%" not in text
+
+
+def test_distillation_md_quotes_the_suite_s_sink_differences_with_their_intervals():
+    rows = _md_table(_results_section(SUITE_KV), "| task | KV (every position) - hard 3-shot |")
+    cells = [r["KV every position - KV sink frozen"] for r in rows]
+    found = [re.match(r"([+-][\d.]+) \[([+-][\d.]+), ([+-][\d.]+)\]", c).groups() for c in cells]
+    text = " ".join((ROOT / "docs" / "distillation.md").read_text().split())
+    assert f"{found[0][0]}, {found[1][0]} and {found[2][0]} points against freezing it" in text, found
+    assert "each 95% interval across zero" in text
+    assert all(float(low) < 0 < float(high) for _, low, high in found), found
+    assert "~3 points" not in text
+
+
+def test_the_ferry_prose_in_results_md_quotes_its_own_table():
+    section = _results_section("### KV students on a prompt written after the recipe was fixed")
+    rows = {r["arm"]: r for r in _md_table(section, "| arm | seeds |")}
+    kept = next(r for arm, r in rows.items() if "facts kept as hard text" in arm)
+    kv = rows["KV, selected start, 3 turns per part, answer weight 0.5, N=32 (untrained)"]
+    trained = next(r for arm, r in rows.items() if arm.startswith("KV, selected start") and "60 steps" in arm)
+    prose = " ".join(section[section.index("- **Targets") :].split("\n- ")[0].split())
+    first = lambda cell: cell.split(" [")[0]  # noqa: E731 - the mean, before its interval
+    assert f"({first(kv['KL gap closed'])} untrained, {first(trained['KL gap closed'])} trained" in prose
+    assert f"closes {first(kept['KL gap closed'])} and keeps {first(kept['content kept'])}" in prose
+    alone_gap, alone_content = kept["kept text alone: gap / content"].split(" / ")
+    assert f"the kept text alone closes {alone_gap} and keeps {alone_content}" in prose
+
+
+def test_training_recipe_md_serves_a_kv_prompt_through_the_front():
+    """The form table's serving row: a KV prompt is served by `softprompt-plus serve --kv-share` and the connector."""
+    import argparse
+    import importlib.util
+
+    from peft_softprompt_plus.apps import serve_kv
+    from peft_softprompt_plus.apps.cli import build_parser
+
+    text = (ROOT / "docs" / "training-recipe.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| serving |"))
+    kv_cell = row.strip("|").split("|")[2]
+    assert "`softprompt-plus serve --kv-share DIR`" in kv_cell and "KV connector" in kv_cell
+    assert "(serving.md#kv-prompts-through-vllms-kv-connector)" in kv_cell
+    serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    assert "--kv-share" in {s for a in serve._actions for s in a.option_strings}
+    assert importlib.util.find_spec(serve_kv.CONNECTOR_MODULE) is not None
+
+
+def test_serving_md_says_which_errors_name_server_paths(scratch):
+    """A `PUT`'s refusals echo the folder and the adapter's `base_model_name_or_path`, as serving.md says."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from peft_softprompt_plus import SoftPromptPlusConfig
+    from peft_softprompt_plus.apps.serve_front import Front
+    from peft_softprompt_plus.apps.serve_requests import FrontError
+
+    text = " ".join((ROOT / "docs" / "serving.md").read_text().split())
+    assert "A Completions or Chat request's errors name no server path or address." in text
+    assert "a refused `PUT` echoes the folder it was sent" in text and "`base_model_name_or_path` as saved" in text
+    other = str(scratch / "gpt2")  # trained on the `gpt2` folder, served on `my-base`
+    folder = str(scratch / "put-elsewhere")
+    get_peft_model(
+        AutoModelForCausalLM.from_pretrained(other), SoftPromptPlusConfig(num_virtual_tokens=2)
+    ).save_pretrained(folder)
+    with pytest.raises(FrontError, match="was trained on") as refused:
+        Front(str(scratch / "my-base")).add("x", folder)
+    assert folder in str(refused.value) and repr(other) in str(refused.value)
