@@ -1,16 +1,23 @@
 """bench_quality.py's `report`: the tables from every recorded run (median and spread over seeds, at equal steps and
-at equal training time), the learning-rate table, the curves and bench/quality.png."""
+at equal training time), the learning-rate table, the curves and bench/quality.png. It holds the harness's shape
+(N, STEPS, BATCH), which bench_quality.py trains with and imports from here; the variants come as an argument."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 from collections import defaultdict
 from typing import Optional
 
 import _stats
 from _stats import Row, markdown, print_table, spread
-from bench_quality import BATCH, PLOT, REFERENCE, STEPS, VARIANTS, N
+
+N = 20  # virtual tokens of every trained prompt
+STEPS = 120
+BATCH = 16
+PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quality.png")
+REFERENCE = "ours-random"  # its training time at STEPS is the equal-time budget
 
 
 def _score_at(record: dict, step: int) -> Optional[float]:
@@ -38,12 +45,13 @@ def _nll_at(record: dict, step: int) -> Optional[float]:
     return next((v for t, v in zip(record["steps"], values, strict=False) if t == step and v is not None), None)
 
 
-def cmd_report(args) -> None:
+def cmd_report(args, variants: dict) -> None:
+    """`variants`: bench_quality.VARIANTS (name -> Variant: its `about`, `lr`, and `build`, None for a hard prompt)."""
     records = _stats.records(args.out)
     groups: dict[tuple[str, float], list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["variant"], r["lr"])].append(r)
-    main = {name: groups[(name, v.lr)] for name, v in VARIANTS.items() if groups.get((name, v.lr))}
+    main = {name: groups[(name, v.lr)] for name, v in variants.items() if groups.get((name, v.lr))}
     reference = main.get(REFERENCE, [])
     budget = statistics.median(r["cpu"][-1] for r in reference) if reference else None
     print(f"held-out exact match, % (median (min–max, seeds)); N={N}, batch {BATCH}, AdamW, {STEPS} steps")
@@ -51,17 +59,17 @@ def cmd_report(args) -> None:
         print(f"equal time: the training CPU seconds {REFERENCE} needs for {STEPS} steps = {budget:.0f} s\n")
     rows = []
     for name, rs in main.items():
-        final = [_score_at(r, STEPS) if VARIANTS[name].build else r["score"][0] for r in rs]
-        timed = [_score_within(r, budget) if budget and VARIANTS[name].build else None for r in rs]
-        per_step = statistics.median(r["cpu"][-1] / r["steps"][-1] for r in rs) if VARIANTS[name].build else None
+        final = [_score_at(r, STEPS) if variants[name].build else r["score"][0] for r in rs]
+        timed = [_score_within(r, budget) if budget and variants[name].build else None for r in rs]
+        per_step = statistics.median(r["cpu"][-1] / r["steps"][-1] for r in rs) if variants[name].build else None
         step_text = f"{per_step:.2f}" if per_step else "–"
-        lr = f"{rs[0]['lr']:g}" if VARIANTS[name].build else "–"
-        nll = [_nll_at(r, STEPS if VARIANTS[name].build else 0) for r in rs]
-        rows.append([name, lr, spread(final), spread(timed), spread(nll, 1, 3), step_text, VARIANTS[name].about])
+        lr = f"{rs[0]['lr']:g}" if variants[name].build else "–"
+        nll = [_nll_at(r, STEPS if variants[name].build else 0) for r in rs]
+        rows.append([name, lr, spread(final), spread(timed), spread(nll, 1, 3), step_text, variants[name].about])
     header = ["variant", "lr", f"EM, step {STEPS}", f"EM in {budget or 0:.0f} s", f"NLL, step {STEPS}"]
     print(markdown([*header, "CPU s / step", "about"], rows))
     spreads = _lr_table(groups)
-    _curves(main, budget, groups)
+    _curves(main, budget, groups, variants)
     _targets(main, spreads)
 
 
@@ -125,7 +133,7 @@ def _lr_table(groups) -> dict[str, float]:
     return spreads
 
 
-def _curves(main: dict, budget: Optional[float], groups: dict) -> None:
+def _curves(main: dict, budget: Optional[float], groups: dict, variants: dict) -> None:
     try:
         import matplotlib
 
@@ -138,7 +146,7 @@ def _curves(main: dict, budget: Optional[float], groups: dict) -> None:
     _lr_panel(axes[2], groups)
     axes = axes[:2]
     for name, rs in main.items():
-        if VARIANTS[name].build is None:
+        if variants[name].build is None:
             flat = [r["score"][0] for r in rs if r["score"][0] is not None]
             for ax in axes:
                 ax.axhline(100 * statistics.median(flat), linestyle=":", color="gray")
