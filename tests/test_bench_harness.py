@@ -1,6 +1,8 @@
 """bench/'s shared harness (bench/_stats.py): the intervals every quality report quotes, checked against hand-worked
-values, and the rule that no bench script writes its own Markdown table or comma-list parser."""
+values, the rule that no bench script writes its own Markdown table or comma-list parser, and no import cycle among
+bench/'s modules (a report imports nothing from its script)."""
 
+import ast
 import pathlib
 import statistics
 import sys
@@ -67,3 +69,30 @@ def test_no_bench_script_writes_its_own_table_rule_or_comma_list_parser():
         if hits:
             found[path.name] = hits
     assert found == {}, "use bench/_stats.py (markdown, markdown_header, comma_list)"
+
+
+def _bench_imports(path: pathlib.Path, names: set[str]) -> set[str]:
+    """The bench modules `path` imports anywhere in its body, functions and `__import__("...")` calls included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "__import__" and node.args:
+            found.add(getattr(node.args[0], "value", None))
+    return (found & names) - {path.stem}
+
+
+def test_no_import_cycle_among_bench_modules():
+    paths = {path.stem: path for path in BENCH.glob("*.py")}
+    graph = {name: _bench_imports(path, set(paths)) for name, path in paths.items()}
+    assert graph["_stats"] == set()  # standard library only
+    reports = {name: deps for name, deps in graph.items() if name.endswith("_report")}
+    assert reports and {name: [d for d in deps if not d.startswith("_")] for name, deps in reports.items()} == {
+        name: [] for name in reports
+    }, "a report imports no script: the script passes it what it needs"
+    reach = {name: set(deps) for name, deps in graph.items()}
+    for _ in paths:  # the transitive closure, one hop per pass
+        reach = {name: deps.union(*(reach[d] for d in deps)) for name, deps in reach.items()}
+    assert sorted(name for name, deps in reach.items() if name in deps) == [], "bench import cycles"
