@@ -2,12 +2,15 @@
 `lr` and `prompt_init`) on the tiny chat Llama of test_distill.py. References: a hand-written top-k KL, the seed
 instructions found in what the teacher was asked to continue, and the saved adapter's config."""
 
+import inspect
+import sys
+
 import pytest
 import torch
 from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir, distill  # noqa: F401 (the fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from peft_softprompt_plus.distill import teacher
+from peft_softprompt_plus.distill import kv_start, score, teacher
 from peft_softprompt_plus.distill.checks import LEVEL_DEFAULTS
 from peft_softprompt_plus.distill.data import prepare
 from peft_softprompt_plus.distill.score import token_kl
@@ -56,20 +59,81 @@ def test_self_study_turns_are_the_teacher_s_replies_to_each_kind_of_seed_instruc
     assert samples.sampled_turns and len(samples.train_turns) + len(samples.held_out_turns) >= 2
 
 
-def test_each_student_form_takes_its_measured_defaults_and_a_given_value_wins(tok, chat_dir):  # noqa: F811
-    for level, defaults in LEVEL_DEFAULTS.items():
-        model = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, prompt_level=level,
-                               user_turns=USERS, held_out_turns=HELD_OUT, **KW)  # fmt: skip
-        report, config = model.distill_report, model.peft_config["default"]
-        assert report.lr == defaults["lr"] and config.prompt_level == level
-        assert ("selected" in report.init) == (defaults["prompt_init"] == "selected")
-        assert report.samples.self_study is False  # given turns: nothing for the teacher to write
-        assert config.kv_frozen_positions == defaults["kv_frozen_positions"]  # a KV student keeps its sink frozen
-    model = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, prompt_level="kv", lr=0.5,
-                           prompt_init="text", kv_frozen_positions=0, kl_top_k=5, user_turns=USERS,
-                           held_out_turns=HELD_OUT, **KW)  # fmt: skip
+def _replace(monkeypatch, real, stand_in) -> None:
+    """`real` replaced by `stand_in` in every distill module that holds it, through the module or a name it imported,
+    so a spy sees what the training loop passes wherever the loop's stages live."""
+    for loaded in [m for n, m in list(sys.modules.items()) if n.startswith("peft_softprompt_plus.distill")]:
+        for attr, value in list(vars(loaded).items()):
+            if value is real:
+                monkeypatch.setattr(loaded, attr, stand_in)
+
+
+def _spy(monkeypatch, module, name: str) -> list[dict]:
+    """The arguments of every call of `module.name`, by name."""
+    real, calls = getattr(module, name), []
+    signature = inspect.signature(real)
+
+    def spy(*args, **kwargs):
+        calls.append(signature.bind(*args, **kwargs).arguments)
+        return real(*args, **kwargs)
+
+    _replace(monkeypatch, real, spy)
+    return calls
+
+
+def _spy_optimizers(monkeypatch) -> list[torch.optim.Optimizer]:
+    """Every AdamW made (the loop reaches it as `torch.optim.AdamW`, or by a name it imported)."""
+    made, real = [], torch.optim.AdamW
+
+    class Recorded(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(torch.optim, "AdamW", Recorded)
+    _replace(monkeypatch, real, Recorded)
+    return made
+
+
+@pytest.mark.parametrize(
+    "level, given",
+    [
+        ("input", {}),
+        ("kv", {}),
+        ("kv", {"lr": 0.5, "prompt_init": "text", "kv_frozen_positions": 0, "kl_top_k": 5, "self_study": False}),
+    ],
+)
+def test_each_option_reaches_the_training_loop(tok, chat_dir, monkeypatch, level, given):  # noqa: F811
+    """What the loop receives: the optimizer's lr and tensor, the top-k cut in every trained KL, who writes the
+    turns, whether the `selected` start runs and with which sink."""
+    want = {**LEVEL_DEFAULTS[level], "kl_top_k": 0, **given}
+    optimizers = _spy_optimizers(monkeypatch)
+    trained_kl, kls = _spy(monkeypatch, score, "weighted_kl"), _spy(monkeypatch, score, "token_kl")
+    written = {how: _spy(monkeypatch, teacher, how) for how in ("self_study_turns", "sample_turns")}
+    chosen = _spy(monkeypatch, kv_start, "selected")
+    model = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, prompt_level=level, sampled_turns=6, **KW,
+                    **given)  # fmt: skip
+    (optimizer,) = optimizers
+    (group,) = optimizer.param_groups
+    (prompt,) = group["params"]
+    assert group["lr"] == want["lr"] and prompt is model.base_model.prompt("default")
+    sink = want["kv_frozen_positions"] or 0  # the trained tensor holds the N positions past the frozen sink
+    assert prompt.shape[-2 if level == "kv" else 0] == 4 - sink
+    assert len(trained_kl) == KW["steps"] and {c["top_k"] for c in trained_kl} == {want["kl_top_k"]}
+    with_grad = [c["top_k"] for c in kls if c["student_logits"].requires_grad]
+    assert with_grad == [want["kl_top_k"]] * KW["steps"]  # the loss itself is cut, the held-out KL never
+    assert {c.get("top_k", 0) for c in kls if not c["student_logits"].requires_grad} == {0}
     config = model.peft_config["default"]
-    assert model.distill_report.lr == 0.5 and config.kv_frozen_positions == 0 and config.kv_text_start == 4
+    by_self_study = "self_study_turns" if want["self_study"] else "sample_turns"
+    assert len(written[by_self_study]) == 1 and sum(map(len, written.values())) == 1
+    assert model.distill_report.samples.self_study is want["self_study"]
+    if want["prompt_init"] == "selected":
+        (call,) = chosen
+        assert call["n"] == 4 and call["frozen"] == sink
+    else:
+        assert chosen == [] and config.kv_text_start == (4 if level == "kv" else None)
+    assert config.prompt_level == level and config.kv_frozen_positions == want["kv_frozen_positions"]
+    assert model.distill_report.lr == want["lr"] and model.distill_report.kl_top_k == want["kl_top_k"]
 
 
 @pytest.mark.parametrize(
