@@ -131,10 +131,10 @@ def _kv_requests(folders: dict, ids: list[list[int]], share: str):
 
     prompts, params, keys = [], [], []
     for n, (_, folder_kv) in folders.items():
-        digest = publish(share, read_adapter(folder_kv)[1])
+        digest = publish(share, *read_adapter(folder_kv))
         extra = {"kv_transfer_params": {VLLM_KV_PARAM: digest}}
         for i, row in enumerate(ids):
-            prompts.append({"prompt_token_ids": [PLACEHOLDER] * n + row, "cache_salt": digest[:32]})
+            prompts.append({"prompt_token_ids": [PLACEHOLDER] * n + row, "cache_salt": digest})
             params.append(SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=1, extra_args=extra))
             keys.append((n, i))
     for i, row in enumerate(ids):

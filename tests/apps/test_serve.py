@@ -30,6 +30,7 @@ from peft_softprompt_plus.apps.serve import build_app
 from peft_softprompt_plus.apps.serve_front import Front
 from peft_softprompt_plus.apps.serve_requests import FrontError as FrontError_
 from peft_softprompt_plus.apps.tiny import save_tiny
+from peft_softprompt_plus.files.content_hash import content_hash
 
 TEMPLATE = (
     "{% if messages[0]['role'] != 'system' %}<|system|>You are a helpful bot.\n{% endif %}"
@@ -184,6 +185,15 @@ def _sent_embeds(body) -> torch.Tensor:
     return torch.load(io.BytesIO(base64.b64decode(body["prompt_embeds"])), weights_only=True)
 
 
+def _saved_hash(folder: str) -> str:
+    """The content hash of the adapter files in `folder`, as saved: what the front's cache salt and a KV prompt's
+    published file name must both be."""
+    from safetensors.torch import load_file
+
+    config = json.loads(open(f"{folder}/adapter_config.json").read())
+    return content_hash(config, load_file(f"{folder}/adapter_model.safetensors"))
+
+
 _FROM_DISK: dict = {}
 
 
@@ -211,6 +221,7 @@ def test_a_completion_by_adapter_name_forwards_that_adapter_s_exact_embeddings(s
     assert torch.equal(sent, _expected(stack, folders["plain"], ids))
     assert not torch.equal(sent, _expected(stack, folders["student"], ids))  # the other adapter's prompt differs
     assert body["cache_salt"] == front.adapters["plain"].salt != front.adapters["student"].salt
+    assert front.adapters["plain"].salt == _saved_hash(folders["plain"])
 
 
 def test_chat_is_formatted_the_way_each_adapter_was_trained(stack):
@@ -494,6 +505,7 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
         adapter = front.add("kv", kv)
         (published,) = share.glob("*.safetensors")
         assert published.stem == adapter.kv and adapter.positions == 4 and adapter.block is None
+        assert adapter.kv == adapter.salt == _saved_hash(kv)  # the input adapters' salt is the same function's
         assert torch.equal(load_file(str(published))["kv_prompt"], read_adapter(kv)[1])  # as read from disk
         client = openai.OpenAI(api_key=KEY, base_url=f"{servers[0].url}/v1", max_retries=0)
         answer = client.completions.create(model="kv", prompt="the cat", max_tokens=3)
@@ -501,7 +513,7 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
         (body,) = record
         ids = front.tokenizer("the cat")["input_ids"]
         assert body["prompt"] == [front.placeholder] * 4 + ids and "prompt_embeds" not in body
-        assert body["kv_transfer_params"] == {VLLM_KV_PARAM: adapter.kv} and body["cache_salt"] == adapter.kv[:32]
+        assert body["kv_transfer_params"] == {VLLM_KV_PARAM: adapter.kv} and body["cache_salt"] == adapter.kv
         pieces = client.completions.create(model="kv", prompt="the cat", max_tokens=3, stream=True)
         assert [c.choices[0].text for c in pieces] == ["hello", " world"]
         # A vLLM started without the connector would read the placeholders as text: refused, streamed or not.

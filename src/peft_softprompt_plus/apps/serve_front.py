@@ -10,7 +10,6 @@ embeddings takes no lock. Everything here is blocking work: the HTTP layer calls
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import json
 import os
@@ -24,7 +23,9 @@ from jinja2 import TemplateError
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .._names import SAVED_KEY
 from ..distill.data import student_text
+from ..files.content_hash import content_hash
 from ..files.inspect_adapter import read_adapter
 from ..integrations.serving import prompt_block, text_embeddings
 from . import serve_kv
@@ -40,7 +41,7 @@ class Adapter:
     num_virtual_tokens: int
     chat_format: str  # "template" or "student"
     positions: int  # what the prompt takes in front of the text: hard prefix + N + hard suffix (KV: N)
-    salt: str  # vLLM's `cache_salt`: the prompt's content hash, so tenants never share cache blocks
+    salt: str  # vLLM's `cache_salt`: the adapter's content hash (files/content_hash.py), so tenants never share blocks
     block: Optional[torch.Tensor] = None  # [P+N+S, D] an input prompt's prefix, soft rows and suffix
     kv: Optional[str] = None  # a KV prompt: its content hash, the file vLLM's connector reads (serve_kv.py)
     first_hard: Optional[int] = None  # the prefix's first id (a BOS there means the text must not bring its own)
@@ -104,11 +105,12 @@ class Front:
         n = int(config["num_virtual_tokens"])
         chat = config.get("chat_format") or "template"
         if kv:
-            digest = serve_kv.publish(self.kv_share, values)
-            adapter = Adapter(name, folder, n, chat, n, digest[:32], kv=digest)
+            digest = serve_kv.publish(self.kv_share, config, values)
+            adapter = Adapter(name, folder, n, chat, n, digest, kv=digest)
         else:
             first = (config.get("prompt_prefix_ids") or [None])[0]
-            adapter = Adapter(name, folder, n, chat, values.shape[0], _salt(values, chat), values, first_hard=first)
+            salt = content_hash(config, {SAVED_KEY: prompt})  # the saved prompt: the block's other rows come from ids
+            adapter = Adapter(name, folder, n, chat, values.shape[0], salt, values, first_hard=first)
         with self._lock:
             self.adapters = {**self.adapters, name: adapter}
         return adapter
@@ -262,9 +264,3 @@ class Front:
         buffer = io.BytesIO()
         torch.save(self.embeds(adapter, ids).contiguous(), buffer)
         return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _salt(block: torch.Tensor, chat_format: str) -> str:
-    digest = hashlib.sha256(f"{block.dtype}{list(block.shape)}{chat_format}".encode())
-    digest.update(block.float().numpy().tobytes())
-    return digest.hexdigest()[:32]

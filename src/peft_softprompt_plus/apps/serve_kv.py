@@ -9,7 +9,6 @@ the mark, so a vLLM started without the connector is a 502, never an answer comp
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -18,7 +17,8 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-from .._names import VLLM_KV_PARAM, VLLM_KV_SERVED, VLLM_KV_TENSOR
+from .._names import SAVED_KV_KEY, VLLM_KV_PARAM, VLLM_KV_SERVED, VLLM_KV_TENSOR
+from ..files.content_hash import content_hash
 from .serve_requests import FrontError
 
 CONNECTOR = "SoftPromptKVConnector"
@@ -55,11 +55,12 @@ def check_servable(name: str, folder: str, config: dict) -> None:
         )
 
 
-def publish(share: str, values: torch.Tensor) -> str:
-    """`values` (`[layers, 2, Hkv, N, hd]`) as `share/<hash>.safetensors`, written once and atomically (the connector
-    may read it at any time); the hash names the content, so a replaced adapter gets a new file."""
+def publish(share: str, config: dict, values: torch.Tensor) -> str:
+    """`values` (`[layers, 2, Hkv, N, hd]`) of the KV adapter saved with `config` as `share/<hash>.safetensors`,
+    written once and atomically (the connector may read it at any time). The hash is the adapter's content hash of
+    what the file holds, so a replaced adapter gets a new file, and the hash is its `cache_salt` too."""
     data = values.detach().float().cpu().contiguous()
-    digest = hashlib.sha256(f"{list(data.shape)}".encode() + data.numpy().tobytes()).hexdigest()[:40]
+    digest = content_hash(config, {SAVED_KV_KEY: data})  # as saved: its weights file holds this one tensor
     path = os.path.join(share, f"{digest}.safetensors")
     if not os.path.exists(path):
         handle, scratch = tempfile.mkstemp(dir=share, suffix=".partial")
@@ -74,7 +75,7 @@ def publish(share: str, values: torch.Tensor) -> str:
 
 
 def fields(digest: str, positions: int, placeholder: int, ids: list[int]) -> dict:
-    """The upstream body's prompt and connector fields for a KV adapter's request (its `cache_salt` is the hash too,
+    """The upstream body's prompt and connector fields for a KV adapter's request (its `cache_salt`, the same hash, is
     set with every adapter's)."""
     if not ids:
         raise FrontError(400, "the prompt is empty: a KV adapter needs some text after its positions.")
