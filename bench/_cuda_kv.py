@@ -19,7 +19,8 @@ OVER_FLOOR = 1.05
 
 
 def _kv(state, n: int, ckpt: bool, shape: str):
-    model = get_peft_model(att._base(shape, state), SoftPromptPlusConfig(num_virtual_tokens=n, prompt_level="kv"))
+    config = SoftPromptPlusConfig(num_virtual_tokens=n, prompt_level="kv", kv_frozen_positions=1)  # as CARTRIDGE's
+    model = get_peft_model(att._base(shape, state), config)
     att._checkpointing(model.get_base_model(), ckpt)
     return model
 
