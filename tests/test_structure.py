@@ -254,7 +254,7 @@ FOREIGN_WRITES = {
     ("integrations/peft_registry.py", "enum_cls._member_map_"),
     ("integrations/peft_registry.py", "enum_cls._value2member_map_"),
     ("integrations/peft_registry.py", "replacement._softprompt_plus_original"),
-    ("forward/attention.py", "model.config._attn_implementation"),  # only where `set_attn_implementation` is absent
+    ("forward/attention_owner.py", "model.config._attn_implementation"),  # where `set_attn_implementation` is absent
 }
 
 

@@ -47,16 +47,24 @@ def test_selection_keeps_the_sink_and_the_most_attended_positions_in_order():
 
 def test_attention_scores_are_the_base_model_s_own_weights(tok, chat_dir):  # noqa: F811
     base = _base(chat_dir)
+    own = base.config._attn_implementation
     model = distill(base, tok, SYSTEM, num_virtual_tokens=4, prompt_level="kv", user_turns=USERS,
                            held_out_turns=HELD_OUT, **{**KW, "steps": 1})  # fmt: skip
+    attached = model.get_base_model().config._attn_implementation
     prefix, text = [5, 6, 7, 8, 9], [10, 11, 12]
     scores = kv_start.attention_scores(model, prefix, [(text, 1)], kv_heads=2)  # [layers, Hkv, P], queries 1..
     reference = AutoModelForCausalLM.from_pretrained(chat_dir, attn_implementation="eager").eval()
     with torch.no_grad():
         weights = reference(input_ids=torch.tensor([prefix + text]), output_attentions=True).attentions
-    expected = torch.stack([w[0, :, 6:, :5].sum(1).view(2, 2, 5).sum(1) for w in weights])
+    heads, kv_heads = reference.config.num_attention_heads, reference.config.num_key_value_heads
+    # transformers' `repeat_kv`: query head q reads key/value head q // (heads / kv_heads)
+    expected = torch.zeros(len(weights), kv_heads, 5)
+    for layer, w in enumerate(weights):
+        for q in range(heads):
+            expected[layer, q // (heads // kv_heads)] += w[0, q, 6:, :5].sum(0)
     torch.testing.assert_close(scores, expected)
-    assert model.get_base_model().config._attn_implementation != "eager"  # put back
+    assert model.get_base_model().config._attn_implementation == attached  # nothing switched
+    assert model.unload().config._attn_implementation == own
 
 
 def test_a_kv_student_trains_saves_and_reloads_as_a_kv_adapter(tok, chat_dir, tmp_path):  # noqa: F811

@@ -30,20 +30,17 @@ def attention_scores(model, prefix_ids: list[int], texts: list[tuple[list[int], 
     index `first` on: the reply's, where the system prompt's facts are read) pay each system-turn position, summed
     over queries, texts and the query heads that share a key/value head: `[layers, Hkv, P]`."""
     base = model.get_base_model()
-    before = base.config._attn_implementation
-    base.set_attn_implementation("eager")  # the only implementation that returns attention weights
     total, p = None, len(prefix_ids)
     device = base.get_input_embeddings().weight.device
-    try:
-        with model.disable_adapter():
-            for text, first in texts:
-                ids = torch.tensor([prefix_ids + list(text)], device=device)
-                weights = base(input_ids=ids, output_attentions=True).attentions  # layers x [1, H, T, T]
-                rows = torch.stack([w[0, :, p + first :, :p].float().sum(1) for w in weights])  # [layers, H, P]
-                grouped = rows.view(rows.shape[0], kv_heads, -1, p).sum(2)  # [layers, Hkv, P]
-                total = grouped if total is None else total + grouped
-    finally:
-        base.set_attn_implementation(before)
+    # Eager is the only kernel that returns attention weights; it runs for this thread's calls alone, and the base
+    # model is called directly: without the prompt keyword, our kernel computes the base model.
+    with model.base_model.forward_state.attention.running(base, "eager"):
+        for text, first in texts:
+            ids = torch.tensor([prefix_ids + list(text)], device=device)
+            weights = base(input_ids=ids, output_attentions=True).attentions  # layers x [1, H, T, T]
+            rows = torch.stack([w[0, :, p + first :, :p].float().sum(1) for w in weights])  # [layers, H, P]
+            grouped = rows.view(rows.shape[0], kv_heads, -1, p).sum(2)  # [layers, Hkv, P]
+            total = grouped if total is None else total + grouped
     return total
 
 

@@ -4,12 +4,16 @@ While an adapter is attached, the model's `config._attn_implementation` names on
 (`softprompt_plus_sdpa`, `softprompt_plus_eager`, or `softprompt_plus_fa2`/`fa3` for a model loaded with flash
 attention, which keeps flash: flash.py). Given a `PromptKV` under the keyword `KWARG`, it either records
 the layer's keys/values (the prompt pass) or puts the prompt's in front of the text's (the text pass and every
-`generate` step). Without the keyword it is the plain kernel, so a disabled adapter computes the base model.
-The keyword travels with the layer's other arguments, so a checkpointed layer's recomputation reads the same tensors.
+`generate` step). Without the keyword it is the plain kernel, so the base model and a concatenation run through it
+unchanged. The keyword travels with the layer's other arguments, so a checkpointed layer's recomputation reads the
+same tensors. A context may run another of our kernels for a model (`running`); attention_owner.py alone switches
+what the config names.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import sys
@@ -131,6 +135,42 @@ _KERNELS: dict[str, tuple[Callable, Callable]] = {
     },
 }
 
+# This context's kernel for a model's configs (`id(config)` -> a `_KERNELS` name), where it differs from the one the
+# config names: set by `attention_owner.AttentionOwner.running`, so a thread that needs eager's weights never changes
+# what another thread calling the same model runs.
+_RUNNING: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("softprompt_plus_running", default=None)
+
+
+def _kernel_of(config, named: str) -> str:
+    running = _RUNNING.get()
+    return named if running is None else running.get(id(config), named)
+
+
+def _dispatched(named: str) -> tuple[Callable, Callable]:
+    """The function and mask builder registered under our name for `named`: `named`'s, unless this context runs
+    another kernel for the model (`_RUNNING`). Both read the same choice, so a kernel always gets its own mask."""
+
+    def attend(module, *args, **kwargs):
+        return _KERNELS[_kernel_of(getattr(module, "config", None), named)][0](module, *args, **kwargs)
+
+    def mask(*args, config=None, **kwargs):
+        return _KERNELS[_kernel_of(config, named)][1](*args, config=config, **kwargs)
+
+    return attend, mask
+
+
+@contextlib.contextmanager
+def running(configs, kernel_name: str):
+    """This context's calls of the layers whose config is one of `configs` run `kernel_name` (a `_KERNELS` name);
+    other threads and tasks keep the kernel the config names."""
+    if kernel_name not in _KERNELS:
+        raise ValueError(f"`kernel_name` must be one of {sorted(_KERNELS)}, got {kernel_name!r}.")
+    token = _RUNNING.set({**(_RUNNING.get() or {}), **{id(config): kernel_name for config in configs}})
+    try:
+        yield
+    finally:
+        _RUNNING.reset(token)
+
 
 def _decoding(query: torch.Tensor, kwargs: dict) -> bool:
     """A few queries without autograd (a decode step): concatenating would copy every row's keys/values each step."""
@@ -141,61 +181,21 @@ def _decoding(query: torch.Tensor, kwargs: dict) -> bool:
 def register() -> None:
     """Our kernels under their names in transformers' public registries: done at the first attach, not at import.
     They stay registered afterwards (the registries have no public removal); only a model whose config names them
-    runs them, and `uninstall` names the model's own kernel again."""
-    for kernel_name, (function, mask_fn) in _KERNELS.items():
-        AttentionInterface.register(_registered_name(kernel_name), function)
-        AttentionMaskInterface.register(_registered_name(kernel_name), mask_fn)
+    runs them, and `attention_owner` names the model's own kernel again."""
+    for kernel_name in _KERNELS:
+        function, mask_fn = _dispatched(kernel_name)
+        AttentionInterface.register(registered_name(kernel_name), function)
+        AttentionMaskInterface.register(registered_name(kernel_name), mask_fn)
 
 
-def _registered_name(kernel_name: str) -> str:
+def registered_name(kernel_name: str) -> str:
     # transformers treats any implementation named "*flash*" as a kernel it loads itself: ours go by "fa2"/"fa3".
     return PREFIX + kernel_name.replace("flash_attention_", "fa")
 
 
-# ---------------------------------------------------------------------------------------------- model switch
-
-
-def _kernel_for(implementation: Optional[str], flash_ok: bool) -> str:
-    # Eager keeps the family's own eager code (soft-capping, `output_attentions`); flash_attention_2/3 keep flash where
-    # its package imports (unless `flash_ok` is False). Every other kernel (flex, a Hub kernel, a user's own) can't
-    # take a prompt that differs per row, so sdpa computes the same attention instead.
-    if implementation == "eager" or (flash_ok and flash.library_for(implementation)):
-        return implementation
-    return "sdpa"
-
-
 def is_installed(config) -> bool:
-    return str(config._attn_implementation or "").startswith(PREFIX)
-
-
-def install(model: nn.Module, flash_ok: bool = True) -> str:
-    """Point `model`'s attention at ours (our sdpa in place of flash when not `flash_ok`); returns the implementation
-    to restore with `uninstall`."""
-    register()
-    own = model.config._attn_implementation
-    kernel = _kernel_for(own, flash_ok)
-    if kernel != own:
-        log_once(f"The soft prompt enters attention through sdpa; the model's `{own}` comes back on unload().")
-    _switch(model, _registered_name(kernel))
-    return own
-
-
-def uninstall(model: nn.Module, own: Optional[str]) -> None:
-    if not is_installed(model.config):
-        return
-    if own is None:  # a config that named no implementation: leave it naming none again
-        model.config._attn_implementation = None
-    else:
-        _switch(model, own)
-
-
-def _switch(model: nn.Module, implementation: str) -> None:
-    # transformers' public switch (it also reaches the sub-configs of composite models); a bare module without it
-    # (never a transformers model) gets the config field written.
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(implementation)
-    else:
-        model.config._attn_implementation = implementation
+    """Whether `config` names one of our kernels (an adapter is attached and enabled)."""
+    return str(getattr(config, "_attn_implementation", None) or "").startswith(PREFIX)
 
 
 @functools.lru_cache(maxsize=None)

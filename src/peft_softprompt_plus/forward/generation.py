@@ -48,7 +48,7 @@ class PromptKVStore:
         if computed:
             lasts = torch.cat([last for _, last in computed])  # [A_in, D]
             done = PromptKV.stack([kv for kv, _ in computed], row_prompts.rows), lasts
-        return kv_values.passes(model, row_prompts, 0, layout, done)
+        return kv_values.prompt_passes(model, row_prompts, 0, layout, done)
 
     def drop(self, adapter: Optional[str] = None) -> None:
         if adapter is None:

@@ -72,33 +72,45 @@ def prompt_kv(values: torch.Tensor, layout: KVLayout, start: int) -> PromptKV:
     )
 
 
-def passes(
-    model: nn.Module, row_prompts: paths.RowPrompts, in_text: int, layout, inputs_done: Optional[tuple] = None
+def prompt_passes(
+    model: nn.Module,
+    row_prompts: paths.RowPrompts,
+    prompt_positions_in_text: int,
+    layout,
+    stored_input_passes: Optional[tuple] = None,
 ) -> tuple[PromptKV, Optional[torch.Tensor]]:
     """The `PromptKV` of a batch's prompts in their order, and each prompt's last output `[A, D]` (zeros for a KV
     prompt, which has none; None when no prompt is an input prompt): the input prompts through one prompt pass (or
-    `inputs_done`, their stored passes), the KV prompts as they are stored."""
+    `stored_input_passes`, their stored `(PromptKV, [A_in, D])`), the KV prompts as they are stored.
+    `prompt_positions_in_text`: each input prompt's last positions that run in the text pass instead (0 or 1)."""
     if not any(row_prompts.kv_flags):
-        return inputs_done if inputs_done is not None else paths.prompt_pass(model, row_prompts, in_text)
+        if stored_input_passes is not None:
+            return stored_input_passes
+        return paths.prompt_pass(model, row_prompts, prompt_positions_in_text)
     inputs = row_prompts.inputs()
-    # Input prompts whose every position rides with the text (N=1 with `in_text` 1) leave no pass to run.
-    left = any(p.shape[-2] > in_text for p in inputs.prompts)
-    done = inputs_done if inputs_done is not None or not left else paths.prompt_pass(model, inputs, in_text)
-    ran, last = iter(done[0].split() if done else []), iter(done[1] if done else [])
-    like = next(p for p, kv in zip(row_prompts.prompts, row_prompts.kv_flags, strict=True) if kv)
+    # Input prompts whose every position rides with the text (N=1, its position in the text) leave no pass to run.
+    input_pass_needed = any(p.shape[-2] > prompt_positions_in_text for p in inputs.prompts)
+    input_passes = stored_input_passes
+    if input_passes is None and input_pass_needed:
+        input_passes = paths.prompt_pass(model, inputs, prompt_positions_in_text)
+    input_kvs = iter(input_passes[0].split() if input_passes else [])  # one PromptKV per input prompt, in order
+    input_lasts = iter(input_passes[1] if input_passes else [])  # [D] each
+    # Any KV prompt gives the dtype and device of what no input pass produced: an empty prompt, zero last outputs.
+    first_kv_prompt = next(p for p, kv in zip(row_prompts.prompts, row_prompts.kv_flags, strict=True) if kv)
     width = model.get_input_embeddings().embedding_dim
-    parts, lasts = [], []
-    for prompt, kv, start in zip(
+    prompt_kvs, last_outputs = [], []
+    for prompt, is_kv, start in zip(
         row_prompts.prompts, row_prompts.kv_flags, row_prompts.starts("cpu").tolist(), strict=True
     ):
-        if kv or not done:  # a KV prompt as stored; an input prompt with no position left: no keys at all
-            parts.append(prompt_kv(prompt if kv else like[..., :0, :], layout, start))  # [layers, 2, Hkv, N, hd]
-            lasts.append(like.new_zeros(width))
+        if is_kv or not input_passes:  # a KV prompt as stored; an input prompt with no position left: no keys at all
+            keys_values = prompt if is_kv else first_kv_prompt[..., :0, :]  # [layers, 2, Hkv, N, hd]
+            prompt_kvs.append(prompt_kv(keys_values, layout, start))
+            last_outputs.append(first_kv_prompt.new_zeros(width))
         else:
-            parts.append(next(ran))
-            lasts.append(next(last))
+            prompt_kvs.append(next(input_kvs))
+            last_outputs.append(next(input_lasts))
     # Without an input prompt no row predicts text token 0 from a prompt: no last outputs.
-    return PromptKV.stack(parts, row_prompts.rows), torch.stack(lasts) if done else None  # [A, D]
+    return PromptKV.stack(prompt_kvs, row_prompts.rows), torch.stack(last_outputs) if input_passes else None  # [A, D]
 
 
 def _quantized(module: nn.Module) -> bool:

@@ -139,7 +139,9 @@ def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_nam
 
         def passes():
             return (
-                _stored_passes(tuner, route, rows) if reuse else kv_values.passes(tuner.model, rows, in_text, layout)
+                _stored_passes(tuner, route, rows)
+                if reuse
+                else kv_values.prompt_passes(tuner.model, rows, in_text, layout)
             )
 
         batch = forward_paths.attention_inputs(
@@ -153,8 +155,7 @@ def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_nam
                 "`inputs_embeds`, or use forward_path='auto' on a model whose attention can take the prompt."
             )
         batch = forward_paths.concat_inputs(tuner.model, rows, input_ids, inputs_embeds, attention_mask)
-    with tuner.forward_state.own_attention(tuner.model, when=attention.KWARG not in batch.kwargs):
-        out = task.run(tuner.model, batch, labels, kw)
+    out = task.run(tuner.model, batch, labels, kw)
     tuner.forward_state.record_kernels(batch.kwargs.get(attention.KWARG))
     return out
 
@@ -166,8 +167,7 @@ def generate(tuner, args: tuple, adapter_names, kwargs: dict):
     _task_for(tuner, route)
     _refuse_second_bos(tuner, route, args[0] if args else kwargs.get("input_ids"), kwargs.get("attention_mask"))
     if not _uses_attention(tuner, route, kwargs, generating=True):
-        with tuner.forward_state.own_attention(tuner.model):
-            return generation.generate_concat(tuner.model, tuner.prompt_for_use(route.adapters[0]), args, kwargs)
+        return generation.generate_concat(tuner.model, tuner.prompt_for_use(route.adapters[0]), args, kwargs)
     prompt_kv, _ = _stored_passes(tuner, route, _row_prompts(tuner, route))
     return generation.generate(tuner.model, prompt_kv, args, kwargs)
 

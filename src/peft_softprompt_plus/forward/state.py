@@ -13,7 +13,7 @@ from typing import Optional
 
 from torch import nn
 
-from . import attention, flash, generation, kv_values
+from . import attention, attention_owner, generation, kv_values
 from .generation import PromptKVStore
 
 
@@ -45,7 +45,7 @@ class BaseSettings:
 
     def restore(self, model: nn.Module) -> None:
         self.restore_flags(model)
-        attention.uninstall(model, self.attention)
+        attention_owner.hand_back(model, self.attention)
         self.restore_loss(model)
 
 
@@ -54,13 +54,12 @@ class ForwardState:
 
     def __init__(self, model: nn.Module):
         self.base = BaseSettings.capture(model)  # as the model came: `unload()` hands this back
+        self.attention = attention_owner.AttentionOwner(model)  # the only code that switches its implementation
         self.kv_store = PromptKVStore()
         self.attention_path = False  # whether the prompt enters at the attention (else it is concatenated)
         self.kv_layout: Optional[kv_values.KVLayout] = None  # the attention layers a prompt's keys/values go to
-        self._own_attention: Optional[str] = self.base.attention
         self._before_prompting: Optional[BaseSettings] = None
         self._generate_hook = None
-        self._flash_ok = True  # a flash_attention_2/3 model keeps flash for the prompt at the attention
         self._per_call()
         self._grad_warning_due = True
         self._encoder_source: Optional[tuple] = None
@@ -86,12 +85,12 @@ class ForwardState:
         self._before_prompting = BaseSettings.capture(model)
         task.on_attach(model)
         model.requires_grad_(False)
-        self._own_attention = attention.install(model, self._flash_ok)
+        self.attention.install(model)
         self.kv_layout = kv_values.probe_layout(model)
         self.attention_path = self.kv_layout is not None
         self._generate_hook = generation.install_hook(model)
         if not self.attention_path:
-            attention.uninstall(model, self._own_attention)
+            self.attention.release(model)
             attention.log_once(
                 f"{type(model).__name__} computes attention outside transformers' attention registry: its soft "
                 "prompt is concatenated to every row (forward_path='concat')."
@@ -99,7 +98,7 @@ class ForwardState:
 
     def stop(self, model: nn.Module) -> None:
         """No prompt left: the model's own attention and loss come back, so it computes the base model exactly."""
-        attention.uninstall(model, self._own_attention)
+        self.attention.release(model)
         self.base.restore_loss(model)
         self.kv_store.drop()
         if self._generate_hook is not None:
@@ -117,42 +116,23 @@ class ForwardState:
         self.base.restore_flags(model)
 
     def pause_attention(self, model: nn.Module) -> None:
-        """`disable_adapter()`: the model's own attention while it runs as the base model."""
-        attention.uninstall(model, self._own_attention)
-
-    @contextlib.contextmanager
-    def own_attention(self, model: nn.Module, when: bool = True):
-        """A concatenated forward (`when`) runs the model's own attention: transformers' flash path for a model loaded
-        with flash_attention_2/3, its flex or Hub kernel. Ours would compute the same thing, but through our flash
-        wrapper (written for the prompt at the attention) or sdpa. sdpa and eager need no switch. While it runs, every
-        thread calling this model runs the model's own kernel too."""
-        switch = when and attention.is_installed(model.config) and self._own_attention not in ("sdpa", "eager", None)
-        if switch:
-            attention.uninstall(model, self._own_attention)
-        try:
-            yield
-        finally:
-            if switch:
-                attention.install(model, self._flash_ok)
+        """`disable_adapter()`: the model's own attention while it runs as the base model (a switch every thread sees,
+        as the disabled adapter is)."""
+        self.attention.release(model)
 
     def without_flash(self, model: nn.Module) -> None:
-        """A KV prompt can't take the concatenation that runs transformers' own flash, and our flash path is checked
-        on a CPU stand-in only: from the first KV adapter on, a flash model reads every prompt through our sdpa."""
-        if not self._flash_ok:
-            return
-        self._flash_ok = False
-        if attention.is_installed(model.config) and flash.library_for(self._own_attention):
-            attention.uninstall(model, self._own_attention)
-            self._own_attention = attention.install(model, flash_ok=False)
+        """Our flash path for a prompt at the attention is checked on a CPU stand-in only, and a KV prompt has no
+        concatenation to fall back on: from the first KV adapter on, a flash model reads every prompt through sdpa."""
+        if self.attention.without_flash(model):
             attention.log_once(
-                f"A KV prompt on a model loaded with `{self._own_attention}` reads its keys/values through our sdpa "
-                "(our flash path for a prompt is checked on a CPU stand-in, not yet on hardware)."
+                f"A KV prompt on a model loaded with `{self.attention.original}` reads its keys/values through our "
+                "sdpa (our flash path for a prompt is checked on a CPU stand-in, not yet on hardware)."
             )
 
     def ensure_attention(self, model: nn.Module) -> None:
-        """Ours again when something switched it since attach (`set_attn_implementation`, a disabled adapter)."""
-        if self.attention_path and not attention.is_installed(model.config):
-            self._own_attention = attention.install(model, self._flash_ok)
+        """Ours again when the adapter was disabled, or the user switched the implementation since attach."""
+        if self.attention_path:
+            self.attention.install(model)
 
     # ------------------------------------------------------------------ the call in flight
 

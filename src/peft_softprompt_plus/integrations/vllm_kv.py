@@ -62,15 +62,17 @@ def _digest(request: "Request") -> Optional[str]:
 
 
 @dataclass
-class _Load:
-    digest: str
-    start: int  # the first prompt position to write
-    slots: list[int]  # the cache slot of each position start..start+len(slots)-1
+class _PromptLoad:
+    """One request's KV prompt positions for the worker to write into the cache."""
+
+    prompt_hash: str  # the KV prompt's content hash: `SHARE/<prompt_hash>.safetensors`
+    first_position: int  # the first prompt position to write (those before it are in the cache already)
+    cache_slots: list[int]  # the cache slot of each position first_position..first_position+len(cache_slots)-1
 
 
 @dataclass
 class SoftPromptKVMetadata(KVConnectorMetadata):
-    loads: list[_Load] = field(default_factory=list)
+    loads: list[_PromptLoad] = field(default_factory=list)
 
 
 class SoftPromptKVConnector(KVConnectorBase_V1):
@@ -86,7 +88,7 @@ class SoftPromptKVConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._matched_from: dict[str, int] = {}  # request id -> tokens found locally when it was matched
         self._served: set[str] = set()
-        self._pending: list[_Load] = []
+        self._pending: list[_PromptLoad] = []
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._dtype = vllm_config.model_config.dtype  # what the cache writer takes keys/values in
 
@@ -111,14 +113,14 @@ class SoftPromptKVConnector(KVConnectorBase_V1):
         return max(0, end - num_computed_tokens), False  # not rounded to a block: the V1 scheduler takes any count
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        start = self._matched_from.pop(request.request_id, None)
-        if num_external_tokens == 0 or start is None:
+        first = self._matched_from.pop(request.request_id, None)  # positions 0..first-1 are in the cache already
+        if num_external_tokens == 0 or first is None:
             return
         # `blocks` are all the request's blocks, so a request re-admitted after preemption is written again.
         block_ids = blocks.get_block_ids()[0]
         size = self._block_size
-        slots = [block_ids[p // size] * size + p % size for p in range(start, start + num_external_tokens)]
-        self._pending.append(_Load(_digest(request), start, slots))
+        slots = [block_ids[p // size] * size + p % size for p in range(first, first + num_external_tokens)]
+        self._pending.append(_PromptLoad(_digest(request), first_position=first, cache_slots=slots))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta, self._pending = SoftPromptKVMetadata(self._pending), []
@@ -142,15 +144,15 @@ class SoftPromptKVConnector(KVConnectorBase_V1):
             return
         names = sorted(self._kv_caches, key=extract_layer_index)  # adapter layer i is the i-th attention layer
         for load in meta.loads:
-            prompt = shared_prompt(self._folder, load.digest)  # [layers, 2, Hkv, N, hd]
+            prompt = shared_prompt(self._folder, load.prompt_hash)  # [layers, 2, Hkv, N, hd]
             if prompt.shape[0] != len(names):
-                raise ValueError(f"KV prompt {load.digest} has {prompt.shape[0]} layers, the model {len(names)}.")
-            end = load.start + len(load.slots)
+                raise ValueError(f"KV prompt {load.prompt_hash} has {prompt.shape[0]} layers, the model {len(names)}.")
+            end = load.first_position + len(load.cache_slots)
             for i, name in enumerate(names):
                 cache = self._kv_caches[name]
                 layer = forward_context.no_compile_layers[name]
-                keys, values = prompt[i, :, :, load.start : end].permute(0, 2, 1, 3)  # 2 x [T, Hkv, hd]
-                slots = torch.tensor(load.slots, dtype=torch.int64, device=cache.device)
+                keys, values = prompt[i, :, :, load.first_position : end].permute(0, 2, 1, 3)  # 2 x [T, Hkv, hd]
+                slots = torch.tensor(load.cache_slots, dtype=torch.int64, device=cache.device)
                 layer.impl.do_kv_cache_update(
                     layer,
                     keys.to(cache.device, self._dtype).contiguous(),
