@@ -375,6 +375,26 @@ def test_bench_readme_lists_every_script_and_the_docs_that_quote_it():
         assert set(re.findall(r"\[([\w.-]+\.md)\]", cell)) - {"RESULTS.md"} == quoting, f"{script}: {cell}"
 
 
+def test_every_bench_script_reruns_a_results_section_its_readme_row_names():
+    text = (ROOT / "bench" / "README.md").read_text()
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `(\w+\.py)` \|(.*)\|$", text, re.M)}
+    scripts = {p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_")}
+    assert sorted(rows) == sorted(scripts), "bench/README.md's table and bench/'s scripts differ"
+    results = FENCE.sub("", (ROOT / "bench" / "RESULTS.md").read_text())
+    headings = {_slug(h) for h in re.findall(r"^#+ (.+)$", results, re.M)}
+    sections = {script: re.findall(r"\]\(RESULTS\.md#([\w-]+)\)", row) for script, row in rows.items()}
+    assert [script for script, anchors in sections.items() if not anchors] == [], "a script that reruns no section"
+    assert {script: sorted(set(anchors) - headings) for script, anchors in sections.items()} == {s: [] for s in rows}
+
+
+def test_bench_readme_states_the_kv_sink_default_of_the_code():
+    from peft_softprompt_plus import SoftPromptPlusConfig
+
+    default = SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, prompt_level="kv").kv_frozen_positions
+    text = (ROOT / "bench" / "README.md").read_text()
+    assert f"`kv_frozen_positions={default}`, the default" in text
+
+
 def test_the_distillation_defaults_the_docs_state_are_the_code_s():
     from peft_softprompt_plus.distill.checks import LEVEL_DEFAULTS
     from peft_softprompt_plus.distill.run import SELECTION_ROWS
