@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import kv_connector_stub
 import openai
 import pytest
 import serve_bodies
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 from peft import get_peft_model
 
 from peft_softprompt_plus import SoftPromptPlusConfig, prompt_embeds, student_text
-from peft_softprompt_plus._names import VLLM_KV_PARAM, VLLM_KV_SERVED
+from peft_softprompt_plus._names import VLLM_KV_PARAM
 from peft_softprompt_plus.apps.serve import build_app
 from peft_softprompt_plus.apps.serve_front import Front
 from peft_softprompt_plus.apps.serve_requests import FrontError as FrontError_
@@ -68,11 +69,15 @@ class _Server:
         self.thread.join(10)
 
 
-def fake_vllm(record: list, refuse_embeds: bool = False, max_model_len: int = 100, connector: bool = True) -> FastAPI:
+def fake_vllm(
+    record: list, refuse_embeds: bool = False, max_model_len: int = 100, kv_share: str | None = None
+) -> FastAPI:
     """Answers like vLLM's `/v1/completions`: "hello world" per choice (streamed in two pieces when asked). A
     request's `user` asks for vLLM's failures: "fail-400" (its message names server paths), "fail-500",
-    "break-stream" (an error event after the first piece) and "bad-line" (a line that is not JSON)."""
+    "break-stream" (an error event after the first piece) and "bad-line" (a line that is not JSON). With `kv_share`,
+    it runs this package's KV connector reading that folder, which marks the requests it matched."""
     app = FastAPI()
+    connector = None if kv_share is None else kv_connector_stub.scheduler_connector(kv_share)
 
     @app.get("/v1/models")
     async def models():
@@ -112,8 +117,9 @@ def fake_vllm(record: list, refuse_embeds: bool = False, max_model_len: int = 10
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(pieces(), media_type="text/event-stream")
-        if connector and body.get("kv_transfer_params"):  # as this package's KV connector marks what it served
-            head["kv_transfer_params"] = {VLLM_KV_SERVED: body["kv_transfer_params"][VLLM_KV_PARAM]}
+        mark = None if connector is None else kv_connector_stub.served_mark(connector, body)
+        if mark is not None:  # vLLM returns the connector's `request_finished` params with the answer
+            head["kv_transfer_params"] = mark
         choices = [
             {"index": c, "text": "hello world", "finish_reason": "length", "logprobs": logprobs} for c in range(n)
         ]
@@ -499,8 +505,14 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
     kv = _adapter(stack["base"], str(stack["root"] / "kv-served"), 8, prompt_level="kv")
     front.kv_share = str(share)
     record: list = []
-    upstream, bare = _Server(fake_vllm(record)), _Server(fake_vllm([], connector=False))
-    servers = [_Server(build_app(front, u.url, UPSTREAM_MODEL, api_key=KEY)) for u in (upstream, bare)]
+    elsewhere = stack["root"] / "kv-share-elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    upstreams = [
+        _Server(fake_vllm(record, kv_share=str(share))),
+        _Server(fake_vllm([])),
+        _Server(fake_vllm([], kv_share=str(elsewhere))),
+    ]
+    servers = [_Server(build_app(front, u.url, UPSTREAM_MODEL, api_key=KEY)) for u in upstreams]
     try:
         adapter = front.add("kv", kv)
         (published,) = share.glob("*.safetensors")
@@ -516,13 +528,15 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
         assert body["kv_transfer_params"] == {VLLM_KV_PARAM: adapter.kv} and body["cache_salt"] == adapter.kv
         pieces = client.completions.create(model="kv", prompt="the cat", max_tokens=3, stream=True)
         assert [c.choices[0].text for c in pieces] == ["hello", " world"]
-        # A vLLM started without the connector would read the placeholders as text: refused, streamed or not.
-        blind = openai.OpenAI(api_key=KEY, base_url=f"{servers[1].url}/v1", max_retries=0)
-        front.verified.clear()
-        for stream in (False, True):
-            with pytest.raises(openai.APIStatusError, match="did not apply the KV prompt") as caught:
-                blind.completions.create(model="kv", prompt="the cat", max_tokens=3, stream=stream)
-            assert caught.value.status_code == 502
+        # A vLLM started without the connector, or with one reading another folder, would read the placeholders as
+        # text: refused, streamed or not.
+        for server in servers[1:]:
+            blind = openai.OpenAI(api_key=KEY, base_url=f"{server.url}/v1", max_retries=0)
+            front.verified.clear()
+            for stream in (False, True):
+                with pytest.raises(openai.APIStatusError, match="did not apply the KV prompt") as caught:
+                    blind.completions.create(model="kv", prompt="the cat", max_tokens=3, stream=stream)
+                assert caught.value.status_code == 502
         with pytest.raises(FrontError_, match="did not apply"):
             check_served({"choices": []}, adapter.kv)
         late = _adapter(stack["base"], str(stack["root"] / "kv-late"), 9, prompt_level="kv", kv_text_start=6)
@@ -531,7 +545,7 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
     finally:
         front.kv_share = None
         front.adapters = {k: v for k, v in front.adapters.items() if k != "kv"}
-        for server in (*servers, upstream, bare):
+        for server in (*servers, *upstreams):
             server.stop()
 
 
