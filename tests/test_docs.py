@@ -420,6 +420,7 @@ def _slug(heading: str) -> str:
 
 def test_every_relative_link_and_anchor_in_the_docs_resolves():
     pages = [*PAGES, ROOT / "bench" / "README.md", ROOT / "bench" / "RESULTS.md", ROOT / "CHANGELOG.md"]
+    pages += sorted((ROOT / "examples").glob("*.md"))
     broken = []
     for page in (p for p in pages if p.exists()):
         text = FENCE.sub("", page.read_text())
@@ -541,3 +542,94 @@ def test_serving_md_says_which_errors_name_server_paths(scratch):
     with pytest.raises(FrontError, match="was trained on") as refused:
         Front(str(scratch / "my-base")).add("x", folder)
     assert folder in str(refused.value) and repr(other) in str(refused.value)
+
+
+# ---------------------------------------------------------------------------------------- examples/serve_with_vllm.md
+
+
+def _commands(page: pathlib.Path) -> list[list[str]]:
+    """Each shell command of `page`'s bash blocks as its words, continuation lines joined, `NAME=value` prefixes and
+    `$(...)` assignments dropped (`BASE=$(softprompt-plus fetch smollm2)` is the command inside)."""
+    import shlex
+
+    found = []
+    for block in (b for b in blocks(page) if b.lang == "bash"):
+        for line in block.code.replace("\\\n", " ").splitlines():
+            for command in line.split(" && "):
+                inner = re.match(r"^\w+=\$\((.*)\)$", command.strip())
+                words = shlex.split(inner[1] if inner else command)
+                while words and re.match(r"^[A-Z_]+=", words[0]):
+                    words = words[1:]
+                if words:
+                    found.append(words)
+    return found
+
+
+def _options(words: list[str]) -> dict[str, list[str]]:
+    """`--flag value` pairs (a flag without a value maps to []), repeated flags gathered."""
+    found: dict[str, list[str]] = {}
+    for i, word in enumerate(words):
+        if word.startswith("--"):
+            value = words[i + 1 : i + 2]
+            found.setdefault(word, []).extend(v for v in value if not v.startswith("--"))
+    return found
+
+
+def test_serve_with_vllm_md_names_real_flags_files_and_names():
+    import argparse
+    import importlib.util
+    import json
+    import runpy
+
+    from peft_softprompt_plus.apps import serve_kv
+    from peft_softprompt_plus.apps.cli import build_parser
+    from peft_softprompt_plus.apps.fetch import CHECKPOINTS
+    from peft_softprompt_plus.apps.serve_upstream import UPSTREAM_FLAGS
+
+    page = ROOT / "examples" / "serve_with_vllm.md"
+    commands = _commands(page)
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    flags_of = lambda parser: {s for a in parser._actions for s in a.option_strings}  # noqa: E731
+    saved, front, vllm = set(), None, None
+    for words in commands:
+        if words[:2] == ["softprompt-plus", "fetch"]:
+            assert words[2] in CHECKPOINTS, words
+        elif words[:2] == ["softprompt-plus", "serve"]:
+            front = _options(words)
+            assert set(front) <= flags_of(sub["serve"]), sorted(set(front) - flags_of(sub["serve"]))
+        elif words[:1] == ["python"] and words[1].startswith("examples/"):
+            script = ROOT / words[1]
+            assert script.exists(), words[1]
+            example = runpy.run_path(str(script), run_name="checked")  # its definitions, not its main
+            example["parse_args"](words[2:])  # every flag and value the page passes, by the script's own parser
+            assert all(f'"{flag}"' in script.read_text() for flag in _options(words)), words  # not abbreviated
+            saved.add(_options(words)["--output-dir"][0] + "/adapter")  # where each example saves its adapter
+        elif words[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]:
+            vllm = _options(words)
+    assert front is not None and vllm is not None and saved
+    adapters = dict(a.split("=", 1) for a in front["--adapter"])
+    assert sorted(adapters.values()) == sorted(saved)  # the front serves the folders the examples wrote
+    assert all(f in vllm for f in UPSTREAM_FLAGS.split(" ") if f.startswith("--"))
+    assert vllm["--dtype"] == [UPSTREAM_FLAGS.split("--dtype ")[1].split()[0]]
+    share = front["--kv-share"][0]
+    assert json.loads(vllm["--kv-transfer-config"][0]) == json.loads(serve_kv.vllm_config(share))
+    assert importlib.util.find_spec(serve_kv.CONNECTOR_MODULE) is not None
+    assert front["--upstream"] == [f"http://127.0.0.1:{vllm['--port'][0]}"]
+    assert front["--base"] == vllm["--model"]  # the front reads the checkpoint vLLM serves
+    client = next(b.code for b in blocks(page) if b.lang == "python")
+    assert f'base_url="http://127.0.0.1:{front["--port"][0]}/v1"' in client
+    named = set(re.findall(r"for name in \(([^)]*)\)", client)[0].replace('"', "").replace(" ", "").split(","))
+    assert named == set(adapters), (named, adapters)
+
+
+def test_distillation_md_says_the_front_refuses_a_selected_kv_student():
+    """A `selected` KV student's text starts where the system turn ended (tests/test_examples.py reads it off the
+    distill example); the front refuses any KV adapter whose text does not start at N."""
+    from peft_softprompt_plus.apps import serve_kv
+    from peft_softprompt_plus.apps.serve_requests import FrontError
+
+    text = " ".join((ROOT / "docs" / "distillation.md").read_text().split())
+    assert "serves only a KV prompt whose text starts at N" in text and "`softprompt-plus serve` refuses" in text
+    serve_kv.check_servable("kv", "folder", {"num_virtual_tokens": 4, "kv_text_start": 4})
+    with pytest.raises(FrontError, match="kv_text_start=9, not N=4"):
+        serve_kv.check_servable("kv", "folder", {"num_virtual_tokens": 4, "kv_text_start": 9})
