@@ -8,7 +8,8 @@ the task suite (docs/training-recipe.md). Runs offline on the embedded tiny GPT-
 
 On a real local checkpoint (e.g. `--model $(softprompt-plus fetch smollm2)`):
 
-    python examples/kv_prompt_trainer.py --model PATH --output-dir out/kv --max-steps 120 --num-virtual-tokens 20
+    python examples/kv_prompt_trainer.py --model PATH --output-dir out/kv --max-steps 120 --num-virtual-tokens 20 \
+        --learning-rate 3e-3  # the task suite's KV rate (bench/RESULTS.md); 3e-2 suits the tiny model
 """
 
 from __future__ import annotations
