@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 import serve_bodies
 from hypothesis import HealthCheck, given, settings
 
-from peft_softprompt_plus.apps.serve_requests import FrontError, Limits, parse
+from peft_softprompt_plus.apps.serve_requests import FIELDS, NEUTRAL, FrontError, Limits, parse
 
 MODELS = ["base", "plain"]
 
@@ -87,3 +90,81 @@ def test_limits_are_checked_and_come_from_the_operator():
     assert call.max_tokens == 50
     with pytest.raises(FrontError, match="from 1 to 49"):
         parse("completions", {"model": "m", "prompt": "a", "max_tokens": 50}, Limits(max_tokens=49))
+
+
+# The fields of vLLM's CompletionRequest and ChatCompletionRequest, recorded by _record_vllm_fields.py (which says how
+# to rerun it). vLLM ignores any other field with a log line only, so the front must never pass one on.
+VLLM = json.loads((pathlib.Path(__file__).parent / "vllm_request_fields.json").read_text())
+MESSAGES = [{"role": "user", "content": "a"}]
+REQUIRED = {"completions": {"model": "m", "prompt": "a"}, "chat": {"model": "m", "messages": MESSAGES}}
+# A value each field the front takes is valid at, with the fields it needs beside it, and where the Call holds it when
+# the front builds it itself rather than passing it on as it came.
+VALID = {
+    "max_tokens": 5, "n": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "stop": ["\n"], "seed": 3,
+    "stream": True, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1, "min_tokens": 1,
+    "ignore_eos": True, "user": "u", "prompt": ["a", "b"], "messages": MESSAGES, "max_completion_tokens": 6,
+    "top_logprobs": 2, "stream_options": {"include_usage": True},
+}  # fmt: skip
+BESIDE = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True}}
+BUILT = {
+    ("completions", "model"): lambda call: call.model == "m",
+    ("completions", "prompt"): lambda call: call.prompts == ["a", "b"],
+    ("completions", "max_tokens"): lambda call: call.max_tokens == 5 and "max_tokens" not in call.options,
+    ("completions", "logprobs"): lambda call: call.options["logprobs"] == 3,
+    ("chat", "model"): lambda call: call.model == "m",
+    ("chat", "messages"): lambda call: call.prompts == [MESSAGES],
+    ("chat", "max_tokens"): lambda call: call.max_tokens == 5 and "max_tokens" not in call.options,
+    ("chat", "max_completion_tokens"): lambda call: (
+        call.max_tokens == 6 and "max_completion_tokens" not in call.options
+    ),
+    ("chat", "logprobs"): lambda call: call.options["logprobs"] == 0 and call.top_logprobs == 0,
+    ("chat", "top_logprobs"): lambda call: call.options["logprobs"] == 2 == call.top_logprobs,
+}
+LOGPROBS = {"completions": 3, "chat": True}  # Completions counts alternatives, Chat switches them on
+
+
+def _vllm_fields(route: str) -> list[str]:
+    return VLLM["routes"][route]["fields"]
+
+
+def _cases(which) -> list:
+    return [(route, name) for route in ("completions", "chat") for name in which(route)]
+
+
+@pytest.mark.parametrize(
+    "route, name", _cases(lambda r: [f for f in _vllm_fields(r) if f in FIELDS[r] or f == "model"])
+)
+def test_every_vllm_field_the_front_takes_reaches_vllm_s_completions_or_the_call(route, name):
+    value = LOGPROBS[route] if name == "logprobs" else VALID.get(name)
+    call = parse(route, {**REQUIRED[route], **BESIDE.get(name, {}), name: value if name != "model" else "m"}, Limits())
+    if (route, name) in BUILT:
+        assert BUILT[route, name](call), call
+    else:
+        assert call.options[name] == value
+    # Both routes go to vLLM's /v1/completions (Chat as the text its template makes): every option is a field there.
+    assert set(call.options) <= set(_vllm_fields("completions")), call.options
+
+
+@pytest.mark.parametrize(
+    "route, name", _cases(lambda r: [f for f in _vllm_fields(r) if f not in FIELDS[r] and f != "model"])
+)
+def test_every_vllm_field_the_front_does_not_take_is_refused_by_name(route, name):
+    with pytest.raises(FrontError) as caught:
+        parse(route, {**REQUIRED[route], name: "not-a-neutral-value"}, Limits())
+    assert caught.value.status == 400 and f"`{name}` is not" in str(caught.value)
+    if name in NEUTRAL:  # at the value that means "not set" (clients send those), taken and not passed on
+        assert name not in parse(route, {**REQUIRED[route], name: NEUTRAL[name][0]}, Limits()).options
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_the_front_takes_no_field_vllm_does_not_define_but_at_a_neutral_value(route):
+    assert VLLM["routes"][route]["extra"] == "allow"  # what vLLM doesn't define, it drops with a log line only
+    assert set(FIELDS[route]) <= set(_vllm_fields(route)), set(FIELDS[route]) - set(_vllm_fields(route))
+    assert all((route, name) in BUILT or name in VALID for name in FIELDS[route])  # a case above for each
+    # OpenAI's fields vLLM doesn't define on this route (0.32: `best_of`; on Completions `tools` too): neutral only.
+    for name in sorted(set(NEUTRAL) - set(_vllm_fields(route))):
+        for value in ("not-a-neutral-value", 2, True, ["x"]):
+            if value not in NEUTRAL[name]:
+                with pytest.raises(FrontError, match=f"`{name}` is not a field this front takes"):
+                    parse(route, {**REQUIRED[route], name: value}, Limits())
+        assert name not in parse(route, {**REQUIRED[route], name: NEUTRAL[name][0]}, Limits()).options
