@@ -233,7 +233,8 @@ def main() -> None:
             prompt=data.name,
             gap_closed=report.gap_closed, kl=report.student.kl, kl_none=report.none.kl, probes=c.probes,
             teacher=c.teacher, student=c.student, none=c.none, kept=c.kept, seconds=time.perf_counter() - began,
-            replies=c.replies, seed=args.seed, steps=args.steps, lr=report.lr, samples_reused=samples is not None,
+            replies=c.replies, seed=args.seed, steps=args.steps, lr=report.options.lr,
+            samples_reused=samples is not None,
             max_new_tokens=args.max_new_tokens, self_study=args.self_study, kl_top_k=args.kl_top_k,
             kv_frozen_positions=args.kv_frozen_positions,
             user_probes=dict(

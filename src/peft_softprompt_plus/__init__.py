@@ -26,7 +26,7 @@ _PUBLIC = {  # name -> the module that defines it
     "FetchError": "apps.fetch",
     "fetch_checkpoint": "apps.fetch",
     "DistillOptions": "distill.options",
-    "DistillReport": "distill.score",
+    "DistillReport": "distill.report",
     "distill_prompt": "distill.run",
     "student_inputs": "distill.data",
     "student_text": "distill.data",

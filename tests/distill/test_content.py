@@ -87,7 +87,7 @@ def test_greedy_part_replies_add_the_teacher_s_greedy_reply_to_each_part_questio
     )
     samples = model.distill_report.samples
     asked = [part.questions(1)[0] for part in content.parts(SYSTEM)]
-    assert model.distill_report.greedy_part_replies and set(asked) <= set(samples.train_turns)
+    assert model.distill_report.options.greedy_part_replies and set(asked) <= set(samples.train_turns)
     sampled, greedy_rows = samples.train[: 4 * len(samples.train_turns)], samples.train[4 * len(samples.train_turns) :]
     assert len(greedy_rows) == len(asked)
     prepared = distill_data.prepare(tok, SYSTEM, True, 4)
@@ -112,7 +112,7 @@ def test_quote_parts_train_on_each_part_s_own_text_after_a_question_asking_for_i
     samples = model.distill_report.samples
     parts = content.parts(SYSTEM)
     quoted = samples.train[4 * len(samples.train_turns) :]
-    assert len(quoted) == 2 * len(parts) and model.distill_report.quote_parts == 2
+    assert len(quoted) == 2 * len(parts) and model.distill_report.options.quote_parts == 2
     prepared = distill_data.prepare(tok, SYSTEM, True, 4)
     for row, (part, question) in zip(quoted, [(p, q) for p in parts for q in p.quotes(2)], strict=True):
         suffix = prepared.suffix_ids(tok, question)

@@ -348,6 +348,28 @@ def test_cli_distill_end_to_end_writes_a_loadable_adapter(chat_dir, tmp_path, ca
     assert reloaded.peft_config["default"].prompt_prefix_ids == _ids(
         AutoTokenizer.from_pretrained(chat_dir), "<|im_start|>system\n"
     )
+    saved = json.loads((out / "distill_report.json").read_text())  # the options it ran with, beside the adapter
+    assert saved["options"]["num_virtual_tokens"] == 3 and saved["options"]["in_system_turn"] is True
+    assert saved["options"]["lr"] == 3e-2 and saved["metrics"]["held_out_gap_closed"] is not None  # the default
+    assert "options: num_virtual_tokens=3, prompt_level='input', prompt_init='text'" in printed
+
+
+def test_the_report_holds_saves_and_prints_the_options_it_ran_with(tok, base, tmp_path):
+    model = _distill(base, tok, user_turns=USERS, steps=2, evaluate_at=(0, 2), prompt_level="kv")
+    report = model.distill_report
+    # every None replaced by what ran: a KV student's defaults (checks.LEVEL_DEFAULTS), the sink clamped below N
+    assert report.options == DistillOptions(
+        num_virtual_tokens=4, steps=2, batch_size=4, max_new_tokens=6, lr=5e-2, evaluate_at=(0, 2),
+        prompt_level="kv", prompt_init="selected", self_study=True, kv_frozen_positions=1,
+    )  # fmt: skip
+    report.save(tmp_path / "report.json")
+    saved = json.loads((tmp_path / "report.json").read_text())
+    rerun = {**saved["options"], "evaluate_at": tuple(saved["options"]["evaluate_at"])}
+    assert DistillOptions(**rerun) == report.options
+    finite = {k: None if isinstance(v, float) and v != v else v for k, v in report.metrics().items()}  # NaN: null
+    assert [p["step"] for p in saved["curve"]] == [0, 2] and saved["metrics"] == finite
+    assert saved["curve"][-1]["kl"] == report.curve[-1].held_out.kl
+    assert any(line.startswith("options: num_virtual_tokens=4, prompt_level='kv'") for line in report.lines())
 
 
 @pytest.mark.slow

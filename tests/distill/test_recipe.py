@@ -133,7 +133,7 @@ def test_each_option_reaches_the_training_loop(tok, chat_dir, monkeypatch, level
     else:
         assert chosen == [] and config.kv_text_start == (4 if level == "kv" else None)
     assert config.prompt_level == level and config.kv_frozen_positions == want["kv_frozen_positions"]
-    assert model.distill_report.lr == want["lr"] and model.distill_report.kl_top_k == want["kl_top_k"]
+    assert model.distill_report.options.lr == want["lr"] and model.distill_report.options.kl_top_k == want["kl_top_k"]
 
 
 @pytest.mark.parametrize(

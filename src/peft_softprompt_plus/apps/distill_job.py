@@ -1,12 +1,16 @@
-"""`softprompt-plus distill`: fetch or open the checkpoint, distill the system prompt, save the adapter."""
+"""`softprompt-plus distill`: distill the system prompt, save the adapter and its report."""
 
 from __future__ import annotations
+
+import os
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..distill.options import from_cli
 from ..distill.run import distill_prompt
 from .fetch import CHECKPOINTS, fetch_checkpoint
+
+REPORT_FILE = "distill_report.json"  # beside the adapter: `DistillReport.save`
 
 
 def main(args, system_prompt: str, user_turns, held_out_turns, probes=None) -> int:
@@ -25,9 +29,11 @@ def main(args, system_prompt: str, user_turns, held_out_turns, probes=None) -> i
         progress=lambda line: print(line, flush=True),
     )
     model.save_pretrained(args.out)
+    model.distill_report.save(os.path.join(args.out, REPORT_FILE))
     chat = ", chat=False" if args.plain else ""
     print(
         f"adapter saved to {args.out}: load it with PeftModel.from_pretrained(base, {args.out!r}); format its "
-        f"inputs with peft_softprompt_plus.student_inputs(tokenizer, conversations{chat})"
+        f"inputs with peft_softprompt_plus.student_inputs(tokenizer, conversations{chat}); the options it ran with "
+        f"and its figures in {os.path.join(args.out, REPORT_FILE)}"
     )
     return 0

@@ -43,9 +43,20 @@ def study_problems(self_study, kl_top_k, kv_frozen_positions, prompt_level) -> l
     return found
 
 
-def problems_of(model, user_turns, held_out_turns, counts: dict, lr, fraction, init, evaluate_at, how) -> list[str]:
+# The options that count something: each an int >= 1.
+COUNTS = (
+    "num_virtual_tokens", "steps", "batch_size", "samples_per_turn", "held_out_samples_per_turn", "max_new_tokens",
+    "sampled_turns",
+)  # fmt: skip
+
+
+def problems_of(model, o, user_turns, held_out_turns, probes) -> list[str]:
+    """Every problem with the options `o` (a DistillOptions, resolved) and the data, each named with its value."""
     found = []
-    turns_per_part, answer_weight, probes, greedy_part_replies, quote_parts = how
+    turns_per_part, answer_weight, greedy_part_replies, quote_parts = (
+        o.turns_per_part, o.answer_weight, o.greedy_part_replies, o.quote_parts
+    )  # fmt: skip
+    lr, fraction, evaluate_at = o.lr, o.held_out_fraction, o.evaluate_at
     if isinstance(quote_parts, bool) or not isinstance(quote_parts, int) or not 0 <= quote_parts <= 3:
         found.append(f"`quote_parts` must be an int in [0, 3] (quoting questions per part), got {quote_parts!r}.")
     if not isinstance(greedy_part_replies, bool):
@@ -67,7 +78,8 @@ def problems_of(model, user_turns, held_out_turns, counts: dict, lr, fraction, i
 
     if isinstance(model, PeftModel) or not hasattr(model, "get_input_embeddings"):
         found.append(f"`model` must be a base causal LM (not a PeftModel), got {type(model).__name__}.")
-    for name, value in counts.items():
+    for name in COUNTS:
+        value = getattr(o, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             found.append(f"`{name}` must be an int >= 1, got {value!r}.")
     for name, turns in (("user_turns", user_turns), ("held_out_turns", held_out_turns)):
@@ -78,7 +90,7 @@ def problems_of(model, user_turns, held_out_turns, counts: dict, lr, fraction, i
 
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         found.append(f"`held_out_fraction` must be in (0, 1), got {fraction!r}.")
-    steps = counts["steps"] if isinstance(counts["steps"], int) else 0
+    steps = o.steps if isinstance(o.steps, int) else 0
     if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= steps for s in evaluate_at):
         found.append(f"`evaluate_at` must hold steps in [0, `steps`={steps}], got {list(evaluate_at)!r}.")
     return found
