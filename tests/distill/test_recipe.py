@@ -1,6 +1,7 @@
 """The distillation recipe's options (`self_study`, `kl_top_k`, `kv_frozen_positions`, and each form's defaults for
 `lr` and `prompt_init`) on the tiny chat Llama of test_distill.py. References: a hand-written top-k KL, the seed
-instructions found in what the teacher was asked to continue, and the saved adapter's config."""
+instructions found in what the teacher was asked to continue, spies on what the training loop receives (the optimizer,
+each trained KL, who writes the turns, the `selected` start) and the saved adapter's config."""
 
 import inspect
 import sys
