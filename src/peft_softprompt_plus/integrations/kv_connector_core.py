@@ -1,0 +1,165 @@
+"""The KV connector's logic without vLLM (`vllm_kv.py` runs it inside vLLM): which request it matches and for how
+many positions, the cache slots of a block table, which layers and KV heads a rank writes under tensor and pipeline
+parallelism, and the shape checks made before anything is written. Where a KV prompt doesn't fit, these functions
+return the reason instead of raising: a raise inside vLLM kills the engine for every request it holds.
+
+The mapping follows vLLM 0.32 (recorded from its own helpers by `tests/integrations/_record_vllm_kv_layout.py`):
+- a rank holds `max(1, total_kv_heads // tp_size)` KV heads (`ModelConfig.get_num_kv_heads`), starting at head
+  `(tp_rank // replicas) * per_rank` with `replicas = max(1, tp_size // total_kv_heads)` (`QKVParallelLinear`'s
+  weight loader): with fewer KV heads than ranks, ranks hold copies of the same head;
+- a rank's cache holds only its pipeline stage's layers, each named with its global index (`extract_layer_index`);
+  layers past the model's own (a draft model's, MTP's) are left alone: vLLM verifies every drafted token.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from safetensors.torch import load_file
+
+from .._names import VLLM_KV_PARAM as PARAM
+from .._names import VLLM_KV_TENSOR as TENSOR
+
+_HASH = re.compile(r"^[0-9a-f]{16,64}$")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The engine's model, as a KV prompt must match it (vLLM's `ModelConfig`, before any parallelism)."""
+
+    layers: int  # decoder layers: `get_total_num_hidden_layers()`, draft and MTP layers not counted
+    kv_heads: int  # `get_total_num_kv_heads()`
+    head_size: int  # `get_head_size()`
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One attention layer of a rank, as vLLM built it (its `num_kv_heads` is already this rank's share)."""
+
+    num_kv_heads: int
+    head_size: int
+
+
+@functools.lru_cache(maxsize=64)
+def shared_prompt(folder: str, digest: str) -> torch.Tensor:
+    """`folder/digest.safetensors` as float32 `[layers, 2, Hkv, N, hd]`; content-addressed, so it never changes."""
+    if not _HASH.match(digest):
+        raise ValueError(f"`{PARAM}` must be a content hash (hex), got {digest!r}.")
+    return load_file(os.path.join(folder, f"{digest}.safetensors"))[TENSOR]
+
+
+def prompt_hash(kv_transfer_params: Optional[dict]) -> Optional[str]:
+    """The KV prompt a request names (None: the request is not this connector's)."""
+    return (kv_transfer_params or {}).get(PARAM)
+
+
+def prompt_misfit(shape: tuple[int, ...], model: ModelShape) -> Optional[str]:
+    """Why a KV prompt of `shape` (`[layers, 2, Hkv, N, hd]`) can't serve `model`, or None when it can."""
+    if len(shape) != 5 or shape[1] != 2:
+        return f"the KV prompt has shape {list(shape)}, not [layers, 2, kv_heads, positions, head_size]"
+    wanted = {"layers": model.layers, "KV heads": model.kv_heads, "head size": model.head_size}
+    found = {"layers": shape[0], "KV heads": shape[2], "head size": shape[4]}
+    wrong = [f"{found[k]} {k} (the model: {wanted[k]})" for k in wanted if found[k] != wanted[k]]
+    return f"the KV prompt has {', '.join(wrong)}: it was trained on another model" if wrong else None
+
+
+def match(folder: str, digest: str, model: ModelShape, prompt_tokens: int, computed: int) -> tuple[int, Optional[str]]:
+    """How many of a request's next positions the connector writes (`computed` are in the cache already), or 0 and
+    the reason it writes none. The count is never rounded to a block: padding would shift the text."""
+    try:
+        shape = tuple(shared_prompt(folder, digest).shape)
+    except (OSError, ValueError, KeyError) as err:
+        return 0, f"the KV prompt {digest!r} can't be read from {folder}: {err}"
+    misfit = prompt_misfit(shape, model)
+    if misfit is not None:
+        return 0, misfit
+    positions = shape[3]
+    # The last prompt token must be computed for its logits: at most L - 1 positions come from the adapter.
+    if positions > prompt_tokens - 1:
+        return 0, f"the request has {prompt_tokens} tokens: the KV prompt's {positions} positions need text after them"
+    return max(0, positions - computed), None
+
+
+def cache_slots(block_ids: list[int], block_size: int, first: int, count: int) -> list[int]:
+    """The cache slot of each position first..first+count-1 of a request whose blocks are `block_ids`."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(first, first + count)]
+
+
+def blocks_of(slots: list[int], block_size: int) -> set[int]:
+    return {slot // block_size for slot in slots}
+
+
+def layer_index(name: str) -> int:
+    """A layer's global index from its vLLM name, as `extract_layer_index` reads it: the one integer in it."""
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    if len(numbers) != 1:
+        raise ValueError(f"layer name {name!r} should hold exactly one integer, its layer index")
+    return numbers[0]
+
+
+def rank_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> range:
+    """The global KV heads tensor-parallel rank `tp_rank` of `tp_size` holds, as vLLM assigns them."""
+    if total_kv_heads % tp_size and tp_size % total_kv_heads:
+        raise ValueError(
+            f"`tensor_parallel_size` {tp_size} must divide the model's {total_kv_heads} KV heads or be a multiple of "
+            "them, as vLLM requires."
+        )
+    per_rank = max(1, total_kv_heads // tp_size)
+    replicas = max(1, tp_size // total_kv_heads)
+    first = (tp_rank // replicas) * per_rank
+    return range(first, first + per_rank)
+
+
+def _layer_misfit(name: str, index: int, layer: LayerShape, prompt: torch.Tensor, heads: range) -> Optional[str]:
+    layers, _, kv_heads, _, head_size = prompt.shape
+    if index >= layers:
+        return f"layer {name} has index {index}, the KV prompt {layers} layers"
+    if heads.stop > kv_heads:
+        return f"this rank holds KV heads {heads.start}..{heads.stop - 1}, the KV prompt {kv_heads} heads"
+    if layer.num_kv_heads != len(heads) or layer.head_size != head_size:
+        return (
+            f"layer {name} holds {layer.num_kv_heads} KV heads of size {layer.head_size}, this rank's share of the "
+            f"KV prompt {len(heads)} of size {head_size}"
+        )
+    return None
+
+
+Writer = Callable[[str, torch.Tensor, torch.Tensor], None]  # (layer name, keys [T, Hr, hd], values [T, Hr, hd])
+
+
+def load_prompt(
+    prompt: torch.Tensor,
+    layers: dict[str, LayerShape],
+    heads: range,
+    model_layers: int,
+    first: int,
+    count: int,
+    write: Writer,
+) -> Optional[str]:
+    """Writes positions first..first+count-1 of `prompt` (`[layers, 2, Hkv, N, hd]`) into this rank's `layers`
+    (name -> shape), its KV heads `heads` only, through `write`; layers indexed past `model_layers` (draft, MTP) are
+    skipped. Every layer is checked before any is written: a misfit writes nothing and returns its reason."""
+    if first + count > prompt.shape[3]:
+        return f"positions {first}..{first + count - 1} asked of a KV prompt with {prompt.shape[3]}"
+    chosen = {}
+    for name, layer in layers.items():
+        try:
+            index = layer_index(name)
+        except ValueError as err:
+            return str(err)
+        if index >= model_layers:
+            continue
+        misfit = _layer_misfit(name, index, layer, prompt, heads)
+        if misfit is not None:
+            return misfit
+        chosen[name] = index
+    for name, index in chosen.items():
+        part = prompt[index, :, heads.start : heads.stop, first : first + count]  # [2, Hr, T, hd]
+        keys, values = part.permute(0, 2, 1, 3)  # 2 x [T, Hr, hd]
+        write(name, keys, values)
+    return None
