@@ -33,6 +33,10 @@ _PUBLIC = {  # name -> the module that defines it
     "prompt_embeds": "integrations.serving",
     "to_cartridge": "files.cartridge",
     "from_cartridge": "files.cartridge",
+    "fold_kv_prompt": "method.rotary_fold",
+    "check_fold_window": "method.rotary_fold",
+    "fold_adapter": "files.kv_fold",
+    "save_folded": "files.kv_fold",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

@@ -58,7 +58,7 @@ def cached_keys_values(model, ids: torch.Tensor, start: int) -> torch.Tensor:
     """What `model` caches for `ids` `[1, L]` placed at positions start..: `[layers, 2, Hkv, L, hd]`."""
     with torch.no_grad():
         out = model(input_ids=ids, position_ids=torch.arange(start, start + ids.shape[1])[None], use_cache=True)
-    cache = out.past_key_values
+    cache = out.cache
     return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
 
 
