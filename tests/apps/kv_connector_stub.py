@@ -1,7 +1,8 @@
-"""The scheduler side of this package's vLLM KV connector (`integrations/vllm_kv.py`), run without vLLM: the three
-vLLM names its module imports stand in as empty ones while it is imported, so the fake vLLM of test_serve.py marks a
+"""The scheduler side of this package's vLLM KV connector (`integrations/vllm_kv.py`), run without vLLM: the vLLM
+names its module imports stand in as empty ones while it is imported, so the fake vLLM of test_serve.py marks a
 request served exactly when the real connector's `get_num_new_matched_tokens` matches it (its `kv_transfer_params`
-name a readable `<hash>.safetensors` in the connector's folder, and the prompt holds text after those positions)."""
+name a readable `<hash>.safetensors` in the connector's folder whose shape fits the engine's model, and the prompt
+holds text after those positions), and returns the connector's reason where it refused one."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import types
 from typing import Optional
 
 import torch
+
+from peft_softprompt_plus.apps.tiny import tiny_config
 
 _MODULE = "peft_softprompt_plus.integrations.vllm_kv"
 _IDS = itertools.count()
@@ -33,18 +36,32 @@ def _stand_ins() -> dict[str, types.ModuleType]:
     base.KVConnectorRole = enum.Enum("KVConnectorRole", ["SCHEDULER", "WORKER"])
     logger = types.ModuleType("logger")
     logger.init_logger = logging.getLogger
-    utils = types.ModuleType("utils")
-    utils.extract_layer_index = lambda name: int(name.split(".")[-2])
     return {
         "vllm": types.ModuleType("vllm"),
         "vllm.distributed.kv_transfer.kv_connector.v1.base": base,
         "vllm.logger": logger,
-        "vllm.model_executor.models.utils": utils,
     }
 
 
-def scheduler_connector(folder: str):
-    """The real connector class, built as vLLM's scheduler builds it with `kv_connector_extra_config.folder`; the
+def _model_config(layers: int, kv_heads: int, head_size: int):
+    """vLLM's `ModelConfig`, as far as the connector reads it."""
+    return types.SimpleNamespace(
+        dtype=torch.float32,
+        get_total_num_hidden_layers=lambda: layers,
+        get_total_num_kv_heads=lambda: kv_heads,
+        get_head_size=lambda: head_size,
+    )
+
+
+def tiny_base() -> tuple[int, int, int]:
+    """(layers, KV heads, head size) of the tiny GPT-2 test_serve.py serves (`apps/tiny.py`)."""
+    config = tiny_config(vocab_size=1)
+    return config.n_layer, config.n_head, config.n_embd // config.n_head
+
+
+def scheduler_connector(folder: str, model: Optional[tuple[int, int, int]] = None, block_size: int = 16):
+    """The real connector class, built as vLLM's scheduler builds it with `kv_connector_extra_config.folder`, for an
+    engine serving `model` (layers, KV heads, head size; the tiny base by default) with blocks of `block_size`; the
     stand-ins leave `sys.modules` once it is imported, so nothing else sees them."""
     names = [*_stand_ins(), _MODULE]
     saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
@@ -57,8 +74,8 @@ def scheduler_connector(folder: str):
         sys.modules.update(saved)
     config = types.SimpleNamespace(
         kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config={"folder": folder}),
-        cache_config=types.SimpleNamespace(block_size=16),
-        model_config=types.SimpleNamespace(dtype=torch.float32),
+        cache_config=types.SimpleNamespace(block_size=block_size),
+        model_config=_model_config(*(model or tiny_base())),
     )
     return module.SoftPromptKVConnector(config, module.KVConnectorRole.SCHEDULER, None)
 

@@ -6,6 +6,9 @@ and the full prompt is read back from the ranks' caches."""
 
 import json
 import pathlib
+import sys
+import types
+from unittest import mock
 
 import pytest
 import torch
@@ -191,7 +194,7 @@ def test_a_prompt_for_another_model_is_refused_by_the_worker_with_its_reason(pro
 @pytest.fixture
 def share(tmp_path):
     digest = "ab" * 16
-    save_file({VLLM_KV_TENSOR: torch.zeros(4, 2, 2, POSITIONS, HEAD_SIZE)}, str(tmp_path / f"{digest}.safetensors"))
+    save_file({VLLM_KV_TENSOR: torch.randn(4, 2, 2, POSITIONS, HEAD_SIZE)}, str(tmp_path / f"{digest}.safetensors"))
     return str(tmp_path), digest
 
 
@@ -223,3 +226,65 @@ def test_an_unreadable_or_unnamed_prompt_matches_nothing_and_says_why(share):
     assert core.match(folder, "cd" * 16, MODEL, 9, 0)[1].startswith(f"the KV prompt {'cd' * 16!r} can't be read")
     assert "must be a content hash" in core.match(folder, "../etc", MODEL, 9, 0)[1]
     assert "not [layers, 2, kv_heads, positions, head_size]" in core.prompt_misfit((4, 3, 2, 6, 8), MODEL)
+
+
+# ---------------------------------------------------------------- the connector's worker side, with vLLM stood in
+
+
+def _worker(folder: str, tp_size: int, tp_rank: int, caches: dict, model=(4, 2, HEAD_SIZE)):
+    """The real connector (`vllm_kv.py`, its vLLM imports stood in by tests/apps/kv_connector_stub.py) as one
+    tensor-parallel worker of vLLM registers it, with `caches` (name -> fake CPU cache)."""
+    import kv_connector_stub
+
+    connector = kv_connector_stub.scheduler_connector(folder, model=model, block_size=BLOCK_SIZE)
+    state = types.ModuleType("vllm.distributed.parallel_state")
+    state.get_tensor_model_parallel_world_size = lambda: tp_size
+    state.get_tensor_model_parallel_rank = lambda: tp_rank
+    with mock.patch.dict(sys.modules, {"vllm.distributed.parallel_state": state}):
+        connector.register_kv_caches(caches)
+    return connector
+
+
+def _step(connector, loads: list, layers: dict) -> None:
+    """One forward step: the scheduler's metadata bound, then `start_load_kv` with attention layers of `layers`'
+    shapes whose backend writes as vLLM for CPU does."""
+    module = type(connector).start_load_kv.__globals__  # vllm_kv's names: the stub leaves it out of sys.modules
+    meta = module["SoftPromptKVMetadata"]([module["_PromptLoad"](*load) for load in loads])
+    connector._get_connector_metadata = lambda: meta  # vLLM's base binds it before the step
+
+    def update(layer, keys, values, cache, slots):
+        _cpu_write(cache, keys, values, slots.tolist())
+
+    attention = {
+        name: types.SimpleNamespace(num_kv_heads=s.num_kv_heads, head_size=s.head_size, impl=types.SimpleNamespace())
+        for name, s in layers.items()
+    }
+    for layer in attention.values():
+        layer.impl.do_kv_cache_update = update
+    connector.start_load_kv(types.SimpleNamespace(no_compile_layers=attention))
+
+
+def test_each_tp_worker_of_the_connector_writes_its_own_kv_head(share):
+    folder, digest = share
+    prompt = core.shared_prompt(folder, digest)  # [4, 2, 2, N, hd]
+    slots = core.cache_slots([3, 1], BLOCK_SIZE, 0, POSITIONS)
+    ranks = _engine(CONFIGS["tp2"])
+    for tp_rank, rank in enumerate(ranks):
+        worker = _worker(folder, 2, tp_rank, rank["caches"])
+        _step(worker, [(digest, 0, slots)], rank["layers"])
+        assert worker.get_block_ids_with_load_errors() == set()
+        for name, cache in rank["caches"].items():
+            written = torch.stack([_cpu_read(cache, slot) for slot in slots], dim=2)  # [2, 1, T, hd]
+            assert torch.equal(written[:, 0], prompt[core.layer_index(name), :, tp_rank])
+
+
+def test_a_worker_that_can_t_fill_a_layer_reports_a_failed_load_and_does_not_raise(share):
+    folder, digest = share
+    slots = core.cache_slots([3, 1], BLOCK_SIZE, 0, POSITIONS)
+    rank = _engine(CONFIGS["tp2"])[1]
+    rank["layers"]["model.layers.3.self_attn.attn"] = core.LayerShape(2, HEAD_SIZE)  # not rank 1's share
+    worker = _worker(folder, 2, 1, rank["caches"])
+    _step(worker, [(digest, 0, slots)], rank["layers"])
+    assert not any(cache.any() for cache in rank["caches"].values())
+    assert worker.get_block_ids_with_load_errors() == {3, 1}  # vLLM ends that request; the engine goes on
+    assert worker.get_block_ids_with_load_errors() == set()  # reported once

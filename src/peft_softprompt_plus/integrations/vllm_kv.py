@@ -13,29 +13,31 @@ keys attention reads) and writes `SHARE/HASH.safetensors` (`[layers, 2, Hkv, N, 
 their slots with the attention backend's own cache writer, so the cache layout (CPU or GPU) is the backend's
 business. Requests carry the hash as `cache_salt` too: vLLM's prefix cache hashes blocks by token ids, and every
 adapter's placeholders are the same ids. Checked by `bench/vllm_check.py --parts kv` on vLLM for CPU 0.32.
+
+Across ranks each worker writes only its own layers and KV heads (`kv_connector_core.py` holds the mapping and the
+checks). A KV prompt that doesn't fit the model is never raised inside vLLM: the scheduler matches 0 positions and
+returns its reason as `{VLLM_KV_REFUSED: reason}` in the finished request's `kv_transfer_params`, and a worker that
+finds a layer it can't fill writes nothing, logs why and reports the blocks as failed loads (vLLM then ends that
+request with an error, by its default `kv_load_failure_policy="fail"`).
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-from safetensors.torch import load_file
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.logger import init_logger
-from vllm.model_executor.models.utils import extract_layer_index
 
-from .._names import VLLM_KV_PARAM as PARAM
+from .._names import VLLM_KV_REFUSED as REFUSED
 from .._names import VLLM_KV_SERVED as SERVED
-from .._names import VLLM_KV_TENSOR as TENSOR
+from . import kv_connector_core as core
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,19 +48,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = init_logger(__name__)
-_HASH = re.compile(r"^[0-9a-f]{16,64}$")
-
-
-@functools.lru_cache(maxsize=64)
-def shared_prompt(folder: str, digest: str) -> torch.Tensor:
-    """`folder/digest.safetensors` as float32 `[layers, 2, Hkv, N, hd]`; content-addressed, so it never changes."""
-    if not _HASH.match(digest):
-        raise ValueError(f"`{PARAM}` must be a content hash (hex), got {digest!r}.")
-    return load_file(os.path.join(folder, f"{digest}.safetensors"))[TENSOR]
-
-
-def _digest(request: "Request") -> Optional[str]:
-    return (request.kv_transfer_params or {}).get(PARAM)
 
 
 @dataclass
@@ -85,42 +74,49 @@ class SoftPromptKVConnector(KVConnectorBase_V1):
                 f"`kv_connector_extra_config.folder` must be the folder `softprompt-plus serve --kv-share` publishes "
                 f"KV prompts to, got {self._folder!r}."
             )
+        model = vllm_config.model_config
+        self._model = core.ModelShape(
+            layers=model.get_total_num_hidden_layers(),
+            kv_heads=model.get_total_num_kv_heads(),
+            head_size=model.get_head_size(),
+        )
         self._block_size = vllm_config.cache_config.block_size
         self._matched_from: dict[str, int] = {}  # request id -> tokens found locally when it was matched
         self._served: set[str] = set()
+        self._refused: dict[str, str] = {}  # request id -> why its KV prompt was not applied
         self._pending: list[_PromptLoad] = []
         self._kv_caches: dict[str, torch.Tensor] = {}
-        self._dtype = vllm_config.model_config.dtype  # what the cache writer takes keys/values in
+        self._heads = range(0)  # this worker's KV heads, set with its caches
+        self._load_errors: set[int] = set()
+        self._dtype = model.dtype  # what the cache writer takes keys/values in
 
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
-        digest = _digest(request)
+        digest = core.prompt_hash(request.kv_transfer_params)
         if digest is None:
             return 0, False
-        try:
-            n = shared_prompt(self._folder, digest).shape[-2]
-        except (OSError, ValueError, KeyError) as err:  # not served: the front sees no SERVED mark and refuses
-            log.error("KV prompt %r can't be read from %s: %s", digest, self._folder, err)
+        positions, reason = core.match(
+            self._folder, digest, self._model, request.num_prompt_tokens, num_computed_tokens
+        )
+        if reason is not None:  # the request runs without it; the front turns the reason into its error
+            log.error("KV prompt not applied to request %s: %s", request.request_id, reason)
+            self._refused[request.request_id] = reason
+            self._served.discard(request.request_id)
             return 0, False
-        # The last prompt token must be computed for its logits: at most L - 1 positions come from the adapter (the
-        # front always sends text after the placeholders).
-        end = min(n, request.num_prompt_tokens - 1)
-        if end < n:
-            return 0, False
+        self._refused.pop(request.request_id, None)
         self._matched_from[request.request_id] = num_computed_tokens
         self._served.add(request.request_id)
-        return max(0, end - num_computed_tokens), False  # not rounded to a block: the V1 scheduler takes any count
+        return positions, False  # not rounded to a block: the V1 scheduler takes any count
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         first = self._matched_from.pop(request.request_id, None)  # positions 0..first-1 are in the cache already
         if num_external_tokens == 0 or first is None:
             return
         # `blocks` are all the request's blocks, so a request re-admitted after preemption is written again.
-        block_ids = blocks.get_block_ids()[0]
-        size = self._block_size
-        slots = [block_ids[p // size] * size + p % size for p in range(first, first + num_external_tokens)]
-        self._pending.append(_PromptLoad(_digest(request), first_position=first, cache_slots=slots))
+        slots = core.cache_slots(blocks.get_block_ids()[0], self._block_size, first, num_external_tokens)
+        digest = core.prompt_hash(request.kv_transfer_params)
+        self._pending.append(_PromptLoad(digest, first_position=first, cache_slots=slots))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta, self._pending = SoftPromptKVMetadata(self._pending), []
@@ -128,38 +124,65 @@ class SoftPromptKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         self._matched_from.pop(request.request_id, None)
+        reason = self._refused.pop(request.request_id, None)
+        if reason is not None:
+            return False, {REFUSED: reason}
         if request.request_id in self._served:
             self._served.discard(request.request_id)
-            return False, {SERVED: _digest(request)}  # the front checks this before it answers
+            return False, {SERVED: core.prompt_hash(request.kv_transfer_params)}  # the front checks this
         return False, None
 
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
         self._kv_caches = kv_caches
+        tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        self._heads = core.rank_heads(self._model.kv_heads, tp_size, tp_rank)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, SoftPromptKVMetadata) or not meta.loads:
             return
-        names = sorted(self._kv_caches, key=extract_layer_index)  # adapter layer i is the i-th attention layer
+        attention = forward_context.no_compile_layers
+        # A cache without an attention layer's shape (not one this connector fills) holds 0 heads: a misfit if the
+        # prompt has its layer, never a KeyError here.
+        shapes = {name: attention.get(name) for name in self._kv_caches}
+        layers = {
+            name: core.LayerShape(getattr(layer, "num_kv_heads", 0), getattr(layer, "head_size", 0))
+            for name, layer in shapes.items()
+        }
         for load in meta.loads:
-            prompt = shared_prompt(self._folder, load.prompt_hash)  # [layers, 2, Hkv, N, hd]
-            if prompt.shape[0] != len(names):
-                raise ValueError(f"KV prompt {load.prompt_hash} has {prompt.shape[0]} layers, the model {len(names)}.")
-            end = load.first_position + len(load.cache_slots)
-            for i, name in enumerate(names):
-                cache = self._kv_caches[name]
-                layer = forward_context.no_compile_layers[name]
-                keys, values = prompt[i, :, :, load.first_position : end].permute(0, 2, 1, 3)  # 2 x [T, Hkv, hd]
-                slots = torch.tensor(load.cache_slots, dtype=torch.int64, device=cache.device)
-                layer.impl.do_kv_cache_update(
-                    layer,
-                    keys.to(cache.device, self._dtype).contiguous(),
-                    values.to(cache.device, self._dtype).contiguous(),
-                    cache,
-                    slots,
+            try:
+                prompt = core.shared_prompt(self._folder, load.prompt_hash)  # [layers, 2, Hkv, N, hd]
+                count, write = len(load.cache_slots), self._writer(attention, load.cache_slots)
+                reason = core.load_prompt(
+                    prompt, layers, self._heads, self._model.layers, load.first_position, count, write
                 )
+            except Exception as err:  # noqa: BLE001  a raise in a worker kills the engine for every request
+                reason = f"{type(err).__name__}: {err}"
+            if reason is not None:  # vLLM ends this request (its kv_load_failure_policy), the engine goes on
+                log.error("KV prompt %s not written on this rank: %s", load.prompt_hash, reason)
+                self._load_errors |= core.blocks_of(load.cache_slots, self._block_size)
+
+    def _writer(self, attention: dict[str, Any], cache_slots: list[int]) -> core.Writer:
+        """Writes a layer's keys/values into `cache_slots` with its attention backend's own cache writer."""
+
+        def write(name: str, keys: torch.Tensor, values: torch.Tensor) -> None:  # 2 x [T, Hr, hd]
+            cache, layer = self._kv_caches[name], attention[name]
+            slots = torch.tensor(cache_slots, dtype=torch.int64, device=cache.device)
+            keys, values = (t.to(cache.device, self._dtype).contiguous() for t in (keys, values))
+            layer.impl.do_kv_cache_update(layer, keys, values, cache, slots)
+
+        return write
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
