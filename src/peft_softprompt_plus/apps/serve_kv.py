@@ -4,7 +4,8 @@ running in vLLM's processes) put them into the cache slots of N placeholder ids 
 
 vLLM places a prompt's tokens at positions 0..L-1, so the text can only start right after the N placeholders:
 adapters whose `kv_text_start` is not N are refused. The connector marks each request it served; the front checks
-the mark, so a vLLM started without the connector is a 502, never an answer computed from the placeholders.
+the mark, so a vLLM started without the connector is a 502, never an answer computed from the placeholders; where
+the connector refused the KV prompt (it doesn't fit the engine's model), the 502 gives the connector's reason.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-from .._names import SAVED_KV_KEY, VLLM_KV_PARAM, VLLM_KV_SERVED, VLLM_KV_TENSOR
+from .._names import SAVED_KV_KEY, VLLM_KV_PARAM, VLLM_KV_REFUSED, VLLM_KV_SERVED, VLLM_KV_TENSOR
 from ..files.content_hash import content_hash
 from .serve_requests import FrontError
 
@@ -88,6 +89,8 @@ def fields(digest: str, positions: int, placeholder: int, ids: list[int]) -> dic
 def check_served(answer: dict, digest: Optional[str]) -> dict:
     """`answer` without the connector's mark, once the mark says the connector served `digest`."""
     marks = answer.pop("kv_transfer_params", None) or {}
+    if digest is not None and VLLM_KV_REFUSED in marks:  # the request ran without it: its answer is not the adapter's
+        raise FrontError(502, f"the engine did not apply the KV prompt: {marks[VLLM_KV_REFUSED]}.")
     if digest is not None and marks.get(VLLM_KV_SERVED) != digest:
         raise FrontError(
             502,

@@ -1,0 +1,45 @@
+"""A KV prompt the connector refuses (it doesn't fit the engine's model) reaches the front as the connector's reason in
+the finished request's `kv_transfer_params`, and the front turns it into a 502 for that request; the connector's
+scheduler side runs for real (kv_connector_stub.py), for an engine serving another model than the prompt's."""
+
+import kv_connector_stub
+import pytest
+import torch
+
+from peft_softprompt_plus._names import VLLM_KV_REFUSED, VLLM_KV_SERVED
+from peft_softprompt_plus.apps.serve_kv import check_served, fields, publish
+from peft_softprompt_plus.apps.serve_requests import FrontError
+
+POSITIONS = 4
+
+
+@pytest.fixture
+def share(tmp_path):
+    layers, kv_heads, head_size = kv_connector_stub.tiny_base()
+    config = {"num_virtual_tokens": POSITIONS, "prompt_level": "kv"}
+    digest = publish(str(tmp_path), config, torch.randn(layers, 2, kv_heads, POSITIONS, head_size))
+    return str(tmp_path), digest
+
+
+def _answer(connector, digest: str) -> dict:
+    body = fields(digest, POSITIONS, placeholder=7, ids=[11, 12, 13])
+    return {"choices": [{"text": "hello"}], "kv_transfer_params": kv_connector_stub.served_mark(connector, body)}
+
+
+def test_a_prompt_that_fits_the_engine_s_model_is_served(share):
+    folder, digest = share
+    answer = _answer(kv_connector_stub.scheduler_connector(folder), digest)
+    assert answer["kv_transfer_params"] == {VLLM_KV_SERVED: digest}
+    assert check_served(answer, digest) == {"choices": [{"text": "hello"}]}
+
+
+def test_a_prompt_for_another_model_is_a_502_with_the_connector_s_reason(share):
+    folder, digest = share
+    layers, kv_heads, head_size = kv_connector_stub.tiny_base()
+    connector = kv_connector_stub.scheduler_connector(folder, model=(layers + 1, kv_heads, head_size))
+    answer = _answer(connector, digest)
+    reason = f"the KV prompt has {layers} layers (the model: {layers + 1}): it was trained on another model"
+    assert answer["kv_transfer_params"] == {VLLM_KV_REFUSED: reason}
+    with pytest.raises(FrontError, match="did not apply the KV prompt: the KV prompt has 2 layers") as caught:
+        check_served(answer, digest)
+    assert caught.value.status == 502 and reason in str(caught.value)
