@@ -200,3 +200,42 @@ def test_layer_windows_are_the_attention_layers_own():
             model = transformers.AutoModelForCausalLM.from_config(config)
         own = [layer.self_attn.sliding_window for layer in model.model.layers]
         assert layer_windows(config) == own and set(own) == {8, None}
+
+
+def _windowed_logits(model, values: torch.Tensor, start: int, ids: torch.Tensor, window: int) -> torch.Tensor:
+    """`model` reading `values` (`[layers, 2, Hkv, N, hd]`, at positions 0..N-1) with the text `ids` `[1, L]` at
+    start..: each key kept while its distance in positions is below `window`, as where the text really sat."""
+    n, length = values.shape[-2], ids.shape[1]
+    queries = torch.arange(start, start + length)[:, None]  # [L, 1]
+    keys = torch.cat([torch.arange(n), torch.arange(start, start + length)])[None]  # [1, N+L]
+    keep = (keys <= queries) & (queries - keys < window)
+    mask = torch.zeros(1, 1, length, n + length).masked_fill(~keep, float("-inf"))
+    cache = transformers.DynamicCache()
+    for layer in range(values.shape[0]):
+        cache.update(values[layer, 0][None], values[layer, 1][None], layer)
+    positions = torch.arange(start, start + length)[None]
+    with torch.no_grad():
+        return model(input_ids=ids, cache=cache, attention_mask=mask, position_ids=positions).logits
+
+
+@pytest.mark.parametrize("length", [2, 3, 5])
+def test_a_request_the_window_check_passes_is_exact_and_one_it_refuses_is_not(length):
+    config = family_config("mistral")  # window 8 on every layer
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    n, start, window = 4, 6, 8
+    values = cached_keys_values(model, torch.randint(2, VOCAB, (1, n), generator=torch.Generator().manual_seed(2)), 0)
+    ids = torch.randint(2, VOCAB, (1, length), generator=torch.Generator().manual_seed(3))
+    original = _windowed_logits(model, values, start, ids, window)
+    folded = _windowed_logits(model, fold_kv_prompt(values, config, start, n), n, ids, window)
+    try:
+        check_fold_window(config, n, start, n, length)
+        passed = True
+    except ValueError:
+        passed = False
+    assert passed == (length <= window - start)
+    if passed:
+        torch.testing.assert_close(folded, original, atol=1e-5, rtol=1e-5)
+    else:
+        assert (folded - original).abs().max() > 1e-3
