@@ -108,6 +108,8 @@ UPWARD = {
     # a saved adapter reads it with the files layer's checked reader.
     ("method.kv_prompt", "forward"),
     ("method.kv_prompt", "files"),
+    # The demonstrations start checks its context against the model's positions and window, and reads the layout.
+    ("method.demonstrations", "forward"),
     # A call with gradients disabled is reported through the probe's one warning.
     ("forward.prompted", "gradients"),
 }

@@ -37,6 +37,7 @@ _PUBLIC = {  # name -> the module that defines it
     "check_fold_window": "method.rotary_fold",
     "fold_adapter": "files.kv_fold",
     "save_folded": "files.kv_fold",
+    "pick_demonstrations": "method.demonstrations",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

@@ -58,6 +58,10 @@ class AdapterReport:
             f"  layer {i:>3}: key norm {layer['key']:.4f}, value norm {layer['value']:.4f}"
             for i, layer in enumerate(self.layers)
         ]
+        spans = self.config.get("demonstration_spans")
+        if spans:  # a demonstrations start: which positions each demonstration left (leave-one-out masks them)
+            lines.append(f"started from {len(spans)} demonstrations; their spans among the N positions:")
+            lines += [f"  demonstration {i}: positions {span}" for i, span in enumerate(spans)]
         if self.base is not None:
             source = f"tokenizer {self.tokenizer}" if self.tokenizer else "no tokenizer found: token ids only"
             lines.append(

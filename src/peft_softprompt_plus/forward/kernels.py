@@ -14,6 +14,7 @@ def lower_right_fits(prompt_kv, query, key, attention_mask, window, kwargs) -> b
     q, kv = query.shape[2], key.shape[2]
     return (
         prompt_kv.rows is None
+        and prompt_kv.keep is None
         and attention_mask is None
         and prompt_kv.query_offset == 0
         and q == kv

@@ -34,6 +34,7 @@ class PromptKV:
     positions: Optional[torch.Tensor] = None  # [B, q]
     kernels: set = field(default_factory=set)  # which attention ran, for the record: see `_attention_function`
     starts: Optional[torch.Tensor] = None  # [A]
+    keep: Optional[torch.Tensor] = None  # [B, N] bool: prompt positions each row may read (None: all; kv_regularize)
     _masks: dict = field(default_factory=dict)
 
     @classmethod
@@ -137,6 +138,8 @@ class PromptKV:
         lengths = self.lengths.to(device) if self.rows is None else self.row_lengths(batch, device)  # [1] or [B]
         j = torch.arange(width, device=device)  # [N] prompt key index
         prompt = j[None, None, None, :] < lengths[:, None, None, None]  # [b', 1, 1, N]
+        if self.keep is not None:  # training's per-row regularisers: positions a row may not read
+            prompt = prompt & self.keep.to(device)[:, None, None, :width]  # [B, 1, 1, N]
         if window:
             # Prompt key j is inside a query's window when their distance is < W; a query's position id is its
             # distance from the prompt's start counting real tokens only (as in the row alone). Without position

@@ -10,7 +10,7 @@ from ..gradients import flow as gradient_flow
 from ..method import placement
 from ..method.config import ForwardPath
 from ..method.tasks import Task, task_name, task_of
-from . import attention, generation, kv_values, routing, semantics, validation
+from . import attention, generation, kv_regularize, kv_values, routing, semantics, validation
 from . import paths as forward_paths
 
 
@@ -117,6 +117,7 @@ def _names_for_heads(tuner, task: Task, adapter_names) -> list[str]:
 
 def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_names, kw: dict):
     text = input_ids if input_ids is not None else inputs_embeds
+    demonstration_index = kw.pop("demonstration_index", None)  # leave-one-out's column (kv_regularize.py)
     route = _route(tuner, adapter_names, text)
     if not route.adapters:
         return tuner.model(
@@ -147,6 +148,11 @@ def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_nam
         batch = forward_paths.attention_inputs(
             tuner.model, rows, in_text, input_ids, inputs_embeds, attention_mask, passes
         )
+        prompt_kv = batch.kwargs.get(attention.KWARG)
+        if prompt_kv is not None:
+            prompt_kv.keep = kv_regularize.row_keep(
+                tuner, route, input_ids, attention_mask, demonstration_index, prompt_kv.max_length, text.shape[0]
+            )
     else:
         if kw.get("token_type_ids") is not None:
             raise ValueError(

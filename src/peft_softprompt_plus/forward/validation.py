@@ -200,7 +200,8 @@ def check_placed_room(model: nn.Module, prefix: int, num_virtual: int, suffix: i
 def check_attach(model: nn.Module, config, task) -> None:
     """The model and config of an attach, checked before anything is allocated."""
     limit = semantics.max_positions(getattr(model, "config", None))
-    if limit is not None and config.num_virtual_tokens >= limit:
+    # None (the demonstrations' positions) is resolved and checked with them (method/demonstrations.py).
+    if limit is not None and config.num_virtual_tokens is not None and config.num_virtual_tokens >= limit:
         raise ValueError(
             f"`num_virtual_tokens`={config.num_virtual_tokens} leaves no room for text: {type(model).__name__} "
             f"has {limit} positions. Use fewer virtual tokens (the prompt and the longest text must fit in "

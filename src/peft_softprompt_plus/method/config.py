@@ -36,8 +36,12 @@ class SoftPromptPlusConfig(PeftConfig):
     model's shape `[B, L, V]`.
     """
 
-    num_virtual_tokens: int = field(
-        default=20, metadata={"help": "N, the number of virtual (soft prompt) tokens placed before the text."}
+    num_virtual_tokens: Optional[int] = field(
+        default=20,
+        metadata={
+            "help": "N, the number of virtual (soft prompt) tokens placed before the text. None only with "
+            "`prompt_init='demonstrations'`: all of their positions, resolved at attach and saved as a number."
+        },
     )
     prompt_level: PromptLevel = field(
         default=PromptLevel.INPUT,
@@ -104,6 +108,49 @@ class SoftPromptPlusConfig(PeftConfig):
             "help": "A folder written by `save_pretrained` whose prompt starts this one (`prompt_init='adapter'`): "
             "same base model's hidden size, at most N virtual tokens. Only its soft rows are copied; this config's "
             "own prefix and suffix apply."
+        },
+    )
+    prompt_init_texts: Optional[list[str]] = field(
+        default=None,
+        metadata={
+            "help": "The demonstrations (`prompt_init='demonstrations'`, `prompt_level='kv'`): training rows "
+            "written as the model reads them. Each is tokenized alone (no BOS), each followed by "
+            "`demonstration_separator`, the whole context run once through the frozen model; its keys/values are "
+            "the start, every kept position where it was computed (`kv_text_start` = the context's length). Pick "
+            "them with `pick_demonstrations`."
+        },
+    )
+    demonstration_separator: str = field(
+        default="\n",
+        metadata={"help": "The text after each demonstration in the context (`prompt_init='demonstrations'`)."},
+    )
+    demonstration_ids: Optional[list[list[int]]] = field(
+        default=None,
+        metadata={
+            "help": "Each demonstration's token ids, filled at attach and saved: a training row whose real ids equal "
+            "one of them is that demonstration (leave-one-out)."
+        },
+    )
+    demonstration_spans: Optional[list[list[int]]] = field(
+        default=None,
+        metadata={
+            "help": "Each demonstration's `[start, end)` among the prompt's N positions, filled at attach and saved "
+            "(the separators and a BOS belong to none). Loading needs nothing else."
+        },
+    )
+    kv_leave_one_out: bool = field(
+        default=True,
+        metadata={
+            "help": "`prompt_init='demonstrations'`: while training, a row that is demonstration i (its ids equal "
+            "`demonstration_ids[i]`, or a `demonstration_index` column names i) reads none of i's positions. Eval "
+            "and `generate` read every position."
+        },
+    )
+    kv_position_dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "`prompt_level='kv'`: while training (training mode, gradients on), each prompt position is "
+            "dropped for each row with this probability; frozen positions never are. 0: off."
         },
     )
     prompt_prefix: Optional[str] = field(

@@ -45,6 +45,8 @@ def _task(c: Config) -> Optional[str]:
 
 def _num_virtual_tokens(c: Config) -> Optional[str]:
     value = c.num_virtual_tokens
+    if value is None and c.prompt_init == PromptInit.DEMONSTRATIONS.value:
+        return None  # all of the demonstrations' positions, resolved at attach
     if not _is_int(value) or value < 1:
         return f"`num_virtual_tokens` must be a positive int (>= 1), got {value!r} ({type(value).__name__})."
     return None
@@ -105,6 +107,52 @@ def _init_adapter(c: Config) -> Optional[str]:
             f"with prompt_init_adapter={folder!r}. Set `prompt_init='adapter'` or drop the folder."
         )
     return None
+
+
+def _demonstrations(c: Config) -> Optional[str]:
+    texts, wanted = c.prompt_init_texts, c.prompt_init == PromptInit.DEMONSTRATIONS.value
+    if not wanted:
+        given = [n for n in ("prompt_init_texts", "demonstration_ids", "demonstration_spans") if getattr(c, n)]
+        return (
+            f"{', '.join(f'`{n}`' for n in given)} only appl{'y' if len(given) > 1 else 'ies'} to "
+            f"`prompt_init='demonstrations'`, got prompt_init={str(c.prompt_init)!r}. Set it or drop them."
+            if given
+            else None
+        )
+    problems = []
+    if not (isinstance(texts, (list, tuple)) and texts and all(isinstance(t, str) and t.strip() for t in texts)):
+        problems.append(
+            f"`prompt_init_texts` must be a non-empty list of non-empty strings (the demonstrations) when "
+            f"`prompt_init='demonstrations'`, got {texts!r}. Pass k training rows as the model reads them."
+        )
+    if not is_kv(c):
+        problems.append(
+            f"`prompt_init='demonstrations'` needs `prompt_level='kv'`, got {str(c.prompt_level)!r}: an input "
+            "prompt's pass mixes each demonstration into every later position, so leave-one-out can't take one "
+            "out. For the same start as input vectors, use prompt_init='text' with the joined demonstrations."
+        )
+    if not isinstance(c.demonstration_separator, str):
+        problems.append(f"`demonstration_separator` must be a string, got {c.demonstration_separator!r}.")
+    if not c.tokenizer_name_or_path and c.demonstration_ids is None:
+        problems.append(
+            "`tokenizer_name_or_path` is needed to tokenize `prompt_init_texts` (`prompt_init='demonstrations'`), "
+            f"got {c.tokenizer_name_or_path!r}. Pass a local tokenizer directory."
+        )
+    return " ".join(problems) or None
+
+
+def _regularizers(c: Config) -> Optional[str]:
+    problems = []
+    if not isinstance(c.kv_leave_one_out, bool):
+        problems.append(f"`kv_leave_one_out` must be True or False, got {c.kv_leave_one_out!r}.")
+    p = c.kv_position_dropout
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        problems.append(f"`kv_position_dropout` must be a number in [0, 1), got {p!r}. 0 turns it off.")
+    elif p and not is_kv(c):
+        problems.append(
+            f"`kv_position_dropout`={p!r} drops a KV prompt's positions; pass prompt_level='kv' too, or leave it 0."
+        )
+    return " ".join(problems) or None
 
 
 def _residual(c: Config) -> Optional[str]:
@@ -181,7 +229,7 @@ def _kv(c: Config) -> Optional[str]:
         if refused(c)
     ]
     n, frozen, start = c.num_virtual_tokens, c.kv_frozen_positions, c.kv_text_start
-    if frozen is not None and not (_is_int(frozen) and _is_int(n) and 0 <= frozen < n):
+    if frozen is not None and not (_is_int(frozen) and 0 <= frozen and (n is None or (_is_int(n) and frozen < n))):
         problems.append(
             f"`kv_frozen_positions` must be an int in [0, num_virtual_tokens) = [0, {n}), got {frozen!r}: at least "
             "one position must train."
@@ -210,6 +258,8 @@ CHECKS: tuple[Callable[[Config], Optional[str]], ...] = (
     _labels,
     _tokenizer,
     _init_adapter,
+    _demonstrations,
+    _regularizers,
     placement.check,
     _residual,
     _init_seed,

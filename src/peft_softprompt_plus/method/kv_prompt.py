@@ -15,7 +15,7 @@ from torch import nn
 from ..forward import kv_values, validation
 from ..forward import paths as forward_paths
 from ..forward.kv_values import KVLayout, record_of
-from . import placement
+from . import demonstrations, placement
 from .prompt_init import initial_prompt
 
 Config = Any  # a SoftPromptPlusConfig
@@ -125,11 +125,24 @@ def _from_adapter(config: Config, model: nn.Module, layout: KVLayout, facts: dic
     return _lift(config, saved, values, model, layout)
 
 
-def initial_values(config: Config, model: nn.Module, layout: KVLayout, facts: dict) -> torch.Tensor:
-    """The starting `[layers, 2, Hkv, N, hd]` float32 keys/values for `config` (`prompt_level='kv'`)."""
-    if config.prompt_init == "adapter":
-        return _from_adapter(config, model, layout, facts)
+def _from_input_prompt(config: Config, model: nn.Module, layout: KVLayout, facts: dict, owner) -> torch.Tensor:
     return run_once(model, initial_prompt(config, model.get_input_embeddings(), model.config), layout)
+
+
+# `prompt_init` -> its KV start (every other init: the input prompt it names, run once)
+_KV_STARTS = {
+    "adapter": lambda config, model, layout, facts, owner: _from_adapter(config, model, layout, facts),
+    "demonstrations": lambda config, model, layout, facts, owner: demonstrations.initial_values(
+        config, model, layout, owner, run_once
+    ),
+}
+
+
+def initial_values(config: Config, model: nn.Module, layout: KVLayout, facts: dict, owner=None) -> torch.Tensor:
+    """The starting `[layers, 2, Hkv, N, hd]` float32 keys/values for `config` (`prompt_level='kv'`); `owner` (the
+    model's attention owner) runs eager where a start selects positions by attention."""
+    start = _KV_STARTS.get(str(config.prompt_init), _from_input_prompt)
+    return start(config, model, layout, facts, owner)
 
 
 def _placeholder(config: Config, layout: KVLayout) -> torch.Tensor:
@@ -138,15 +151,19 @@ def _placeholder(config: Config, layout: KVLayout) -> torch.Tensor:
     return torch.randn(layout.shape(config.num_virtual_tokens), generator=generator) * 0.02
 
 
-def starting_values(config: Config, model: nn.Module, layout: Optional[KVLayout], loading: bool) -> torch.Tensor:
+def starting_values(
+    config: Config, model: nn.Module, layout: Optional[KVLayout], loading: bool, owner=None
+) -> torch.Tensor:
     """At attach: a KV prompt's starting `[layers, 2, Hkv, N, hd]` float32 keys/values, on a base that can read them
     (checked, and recorded in `config.kv_base`), with its text start filled in. `loading`: the load overwrites them."""
+    if config.prompt_init == "demonstrations" and not loading:
+        demonstrations.resolve(config, model)  # N and the text start, before anything reads them
     why = validation.kv_refused(model, config, layout)
     if why:
         raise ValueError(why)
     facts = base_facts(model, layout)
     check_base(config.kv_base, facts, "This KV adapter's config")
-    values = _placeholder(config, layout) if loading else initial_values(config, model, layout, facts)
+    values = _placeholder(config, layout) if loading else initial_values(config, model, layout, facts, owner)
     config.kv_base = facts
     if config.kv_text_start is None:
         config.kv_text_start = config.num_virtual_tokens

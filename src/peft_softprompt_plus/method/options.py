@@ -28,6 +28,7 @@ class PromptInit(_Choice):
     TEXT = "text"
     LABELS = "labels"
     ADAPTER = "adapter"
+    DEMONSTRATIONS = "demonstrations"
 
 
 class Reparameterization(_Choice):

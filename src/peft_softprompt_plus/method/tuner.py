@@ -72,7 +72,10 @@ class SoftPromptPlusModel(BaseTuner):
             embedding = model.get_input_embeddings()
             if config.prompt_level == PromptLevel.KV:
                 self.forward_state.without_flash(model)
-                values = kv_prompt.starting_values(config, model, self.forward_state.kv_layout, loading.is_loading())
+                state = self.forward_state
+                values = kv_prompt.starting_values(
+                    config, model, state.kv_layout, loading.is_loading(), state.attention
+                )
             else:
                 placement.resolve(config, embedding)  # the hard prefix/suffix as ids, stored in the config
                 prefix, suffix = placement.hard_ids(config)

@@ -1,0 +1,69 @@
+"""Per-row masks over KV prompt positions while training, context tuning's regularisers: leave-one-out (a row that is
+one of an adapter's demonstrations reads none of that demonstration's positions) and position dropout (each position
+dropped for each row with probability `kv_position_dropout`; frozen positions never are). Only while training (the
+model in training mode, gradients on): eval and `generate` read every position. Built once per forward into the
+`PromptKV` (`keep`), so a checkpointed layer's recomputation reads the same mask."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import routing
+
+
+def _indices(demonstration_index, batch: int, device) -> Optional[torch.Tensor]:
+    """The `demonstration_index` column as `[B]` long (-1: not a demonstration), checked; None when not given."""
+    if demonstration_index is None:
+        return None
+    index = torch.as_tensor(demonstration_index, device=device)
+    if index.dtype.is_floating_point or index.dtype == torch.bool or index.shape != (batch,):
+        raise ValueError(
+            f"`demonstration_index` must hold one int per row ({batch}; -1: not a demonstration), got "
+            f"{type(demonstration_index).__name__} of shape {tuple(index.shape)} and dtype {index.dtype}."
+        )
+    return index.long()
+
+
+def _matched(config, ids: Optional[torch.Tensor], mask: Optional[torch.Tensor], b: int) -> int:
+    """Which demonstration row `b`'s real ids are (-1: none, or no ids to compare)."""
+    if ids is None:
+        return -1
+    real = ids[b] if mask is None else ids[b][mask[b].bool()]
+    own = {tuple(d): i for i, d in enumerate(config.demonstration_ids)}
+    return own.get(tuple(real.tolist()), -1)
+
+
+def row_keep(tuner, route: routing.Route, input_ids, attention_mask, demonstration_index, width: int, batch: int):
+    """`[B, width]` bool, the prompt positions each row reads while training, or None (every position: not training,
+    or no row's adapter regularises)."""
+    device = tuner.model.get_input_embeddings().weight.device
+    index = _indices(demonstration_index, batch, device)
+    if not (tuner.model.training and torch.is_grad_enabled()):
+        return None
+    rows = route.rows.tolist() if route.rows is not None else [0] * batch  # -1: a row without a prompt
+    keep, draws = None, None
+    for b, a in enumerate(rows):
+        entry = route.adapters[a] if a >= 0 else None
+        if entry is None or isinstance(entry, tuple) or not tuner.is_kv(entry):
+            continue  # an input prompt, a composition or a base row: nothing to mask
+        config = tuner.peft_config[entry]
+        spans = config.demonstration_spans if config.kv_leave_one_out else None
+        if not spans and not config.kv_position_dropout:
+            continue
+        keep = keep if keep is not None else torch.ones(batch, width, dtype=torch.bool, device=device)
+        if spans:
+            i = int(index[b]) if index is not None else _matched(config, input_ids, attention_mask, b)
+            if not -1 <= i < len(spans):
+                raise ValueError(
+                    f"`demonstration_index`[{b}]={i} is out of range for adapter {entry!r}, which holds "
+                    f"{len(spans)} demonstrations: pass -1 (not a demonstration) or 0..{len(spans) - 1}."
+                )
+            if i >= 0:
+                keep[b, spans[i][0] : spans[i][1]] = False
+        if config.kv_position_dropout:
+            draws = draws if draws is not None else torch.rand(batch, width, device=device)  # one draw per forward
+            frozen, n = config.kv_frozen_positions or 0, config.num_virtual_tokens
+            keep[b, frozen:n] &= draws[b, frozen:n] >= config.kv_position_dropout
+    return keep
