@@ -19,7 +19,8 @@ from peft_softprompt_plus import SoftPromptPlusConfig
         ({"num_virtual_tokens": True}, r"`num_virtual_tokens` must be a positive int \(>= 1\), got True \(bool\)"),
         (
             {"prompt_init": "zeros"},
-            r"`prompt_init` must be one of \['random', 'vocab', 'text', 'labels', 'adapter', 'demonstrations'\], got 'zeros'",
+            r"`prompt_init` must be one of \['random', 'vocab', 'text', 'labels', 'adapter', 'demonstrations'\], "
+            r"got 'zeros'",
         ),
         ({"validate_gradients": "maybe"}, r"`validate_gradients` must be one of .*got 'maybe'"),
         ({"forward_path": "fast"}, r"`forward_path` must be one of .*got 'fast'"),
