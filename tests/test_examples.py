@@ -45,3 +45,12 @@ def test_the_distill_example_trains_an_input_and_a_kv_student_and_prints_each_re
     config = PeftModel.from_pretrained(base, tmp_path / "kv").peft_config["default"]
     # The `selected` start keeps the system turn's own positions: the text reads on where that turn ended.
     assert config.prompt_level == "kv" and config.kv_text_start == reports["kv"].prefix_tokens
+
+
+def test_the_context_tuning_example_starts_from_demonstrations_and_saves_their_spans(tmp_path, monkeypatch, capsys):
+    result = _run("context_tuning.py", ["--output-dir", str(tmp_path), "--steps", "4"], monkeypatch)["result"]
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["prompt_init"] == "demonstrations" and config["demonstration_spans"] == result["spans"]
+    assert len(config["demonstration_ids"]) == len(result["demonstrations"]) == 4
+    assert config["num_virtual_tokens"] == config["kv_text_start"]  # every position of the context kept
+    assert len(result["losses"]) == 4 and "step 4: loss" in capsys.readouterr().out
