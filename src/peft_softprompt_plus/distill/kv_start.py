@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..method.demonstrations import attention_received
 from ..method.kv_prompt import run_once
 
 
@@ -24,24 +25,12 @@ def prompt_cache(model, prefix_ids: list[int]) -> torch.Tensor:
     return run_once(tuner.model, rows, tuner.forward_state.kv_layout)
 
 
-@torch.no_grad()
 def attention_scores(model, prefix_ids: list[int], texts: list[tuple[list[int], int]], kv_heads: int) -> torch.Tensor:
     """How much attention the queries of `texts` (each `(ids, first)`, read after the system turn; its queries from
     index `first` on: the reply's, where the system prompt's facts are read) pay each system-turn position, summed
-    over queries, texts and the query heads that share a key/value head: `[layers, Hkv, P]`."""
-    base = model.get_base_model()
-    total, p = None, len(prefix_ids)
-    device = base.get_input_embeddings().weight.device
-    # Eager is the only kernel that returns attention weights; it runs for this thread's calls alone, and the base
-    # model is called directly: without the prompt keyword, our kernel computes the base model.
-    with model.base_model.forward_state.attention.running(base, "eager"):
-        for text, first in texts:
-            ids = torch.tensor([prefix_ids + list(text)], device=device)
-            weights = base(input_ids=ids, output_attentions=True).attentions  # layers x [1, H, T, T]
-            rows = torch.stack([w[0, :, p + first :, :p].float().sum(1) for w in weights])  # [layers, H, P]
-            grouped = rows.view(rows.shape[0], kv_heads, -1, p).sum(2)  # [layers, Hkv, P]
-            total = grouped if total is None else total + grouped
-    return total
+    over queries, texts and the query heads that share a key/value head: `[layers, Hkv, P]` (`model` a PeftModel)."""
+    owner = model.base_model.forward_state.attention
+    return attention_received(model.get_base_model(), owner, prefix_ids, texts, kv_heads)
 
 
 def selected(cache: torch.Tensor, scores: torch.Tensor, n: int, frozen: int) -> torch.Tensor:
