@@ -126,7 +126,7 @@ def _kv_requests(folders: dict, ids: list[list[int]], share: str):
     from vllm import SamplingParams
 
     from peft_softprompt_plus._names import VLLM_KV_PARAM
-    from peft_softprompt_plus.apps.serve_kv import publish
+    from peft_softprompt_plus.apps.serve_share import publish
     from peft_softprompt_plus.files.inspect_adapter import read_adapter
 
     prompts, params, keys = [], [], []

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from peft_softprompt_plus._names import VLLM_KV_REFUSED, VLLM_KV_SERVED
-from peft_softprompt_plus.apps.serve_kv import check_served, fields, publish
+from peft_softprompt_plus.apps.serve_kv import check_served, fields
 from peft_softprompt_plus.apps.serve_requests import FrontError
+from peft_softprompt_plus.apps.serve_share import publish
 
 POSITIONS = 4
 

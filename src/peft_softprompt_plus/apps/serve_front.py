@@ -28,7 +28,7 @@ from ..distill.data import student_text
 from ..files.content_hash import content_hash
 from ..files.inspect_adapter import read_adapter
 from ..integrations.serving import prompt_block, text_embeddings
-from . import serve_kv
+from . import serve_kv, serve_share
 from .serve_requests import Call, FrontError, Limits
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's Completions default
@@ -72,6 +72,7 @@ class Front:
         self.model: Optional[PeftModel] = None
         self.adapters: dict[str, Adapter] = {}
         self._lock = threading.Lock()
+        self.share = serve_share.Share(named=lambda: {a.kv for a in self.adapters.values()})  # KV prompts' files
         self._build_lock = threading.Lock()
         self.max_positions = getattr(self.base.config, "max_position_embeddings", None)
         # A KV prompt's N positions go upstream as this id: the connector fills their keys/values before they run.
@@ -105,7 +106,7 @@ class Front:
         n = int(config["num_virtual_tokens"])
         chat = config.get("chat_format") or "template"
         if kv:
-            digest = serve_kv.publish(self.kv_share, config, values)
+            digest = self.share.publish(self.kv_share, config, values)  # held until it is swapped in
             adapter = Adapter(name, folder, n, chat, n, digest, kv=digest)
         else:
             first = (config.get("prompt_prefix_ids") or [None])[0]
@@ -113,6 +114,7 @@ class Front:
             adapter = Adapter(name, folder, n, chat, values.shape[0], salt, values, first_hard=first)
         with self._lock:
             self.adapters = {**self.adapters, name: adapter}
+        self.share.release(adapter.kv)  # and the file of the adapter it replaced, unless a request reads it
         return adapter
 
     def _build(self, folder: str, kv: bool) -> torch.Tensor:
@@ -140,6 +142,7 @@ class Front:
             if name not in self.adapters:
                 raise FrontError(404, f"adapter {name!r} is not served here: GET /v1/models lists what is.")
             self.adapters = {k: v for k, v in self.adapters.items() if k != name}
+        self.share.release()
 
     def _check_fits(self, name: str, folder: str, config: dict, width: Optional[int]) -> None:
         trained_on = config.get("base_model_name_or_path") or ""

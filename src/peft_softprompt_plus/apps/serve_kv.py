@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Optional
 
-import torch
-from safetensors.torch import save_file
-
-from .._names import SAVED_KV_KEY, VLLM_KV_PARAM, VLLM_KV_REFUSED, VLLM_KV_SERVED, VLLM_KV_TENSOR
-from ..files.content_hash import content_hash
+from .._names import VLLM_KV_PARAM, VLLM_KV_REFUSED, VLLM_KV_SERVED
 from .serve_requests import FrontError
 
 CONNECTOR = "SoftPromptKVConnector"
@@ -54,25 +49,6 @@ def check_servable(name: str, folder: str, config: dict) -> None:
             "a prompt's tokens at 0..L-1, so it can only serve text right after the N positions. Serve it with the "
             "library's `generate`.",
         )
-
-
-def publish(share: str, config: dict, values: torch.Tensor) -> str:
-    """`values` (`[layers, 2, Hkv, N, hd]`) of the KV adapter saved with `config` as `share/<hash>.safetensors`,
-    written once and atomically (the connector may read it at any time). The hash is the adapter's content hash of
-    what the file holds, so a replaced adapter gets a new file, and the hash is its `cache_salt` too."""
-    data = values.detach().float().cpu().contiguous()
-    digest = content_hash(config, {SAVED_KV_KEY: data})  # as saved: its weights file holds this one tensor
-    path = os.path.join(share, f"{digest}.safetensors")
-    if not os.path.exists(path):
-        handle, scratch = tempfile.mkstemp(dir=share, suffix=".partial")
-        os.close(handle)
-        try:
-            save_file({VLLM_KV_TENSOR: data}, scratch)
-            os.replace(scratch, path)
-        finally:
-            if os.path.exists(scratch):
-                os.remove(scratch)
-    return digest
 
 
 def fields(digest: str, positions: int, placeholder: int, ids: list[int]) -> dict:
