@@ -85,7 +85,7 @@ def test_a_kv_student_trains_saves_and_reloads_as_a_kv_adapter(tok, chat_dir, tm
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        ({"prompt_level": "kv", "keep_text": "red green blue"}, "a KV student takes the whole system turn's place"),
+        ({"prompt_level": "kv", "keep_text": "red green blue", "prompt_init": "text"}, "only the 'selected' start"),
         ({"prompt_level": "kv", "in_system_turn": True}, "a KV student takes the whole system turn's place"),
         ({"prompt_init": "selected"}, "`prompt_init` for prompt_level='input' must be one of"),
         ({"prompt_level": "prefix"}, "`prompt_level` must be 'input' or 'kv', got 'prefix'"),
@@ -114,7 +114,7 @@ def test_cli_distill_trains_a_kv_student_and_refuses_kv_with_placement(chat_dir,
     assert config.prompt_level == "kv" and config.kv_text_start == len(
         prepare(AutoTokenizer.from_pretrained(chat_dir), SYSTEM, True, 5).prefix_ids
     )
-    assert cli_main(argv + ["--prompt-level", "kv", "--keep-file", str(tmp_path / "keep.txt")]) == 2
-    assert "`--keep-file` place hard tokens" in capsys.readouterr().err
+    assert cli_main(argv + ["--prompt-level", "kv", "--in-system-turn"]) == 2
+    assert "`--in-system-turn` places hard tokens" in capsys.readouterr().err
     assert cli_main(argv + ["--prompt-init", "selected"]) == 2
     assert "`--prompt-init` for prompt_level='input' must be one of" in capsys.readouterr().err

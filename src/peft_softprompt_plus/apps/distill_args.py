@@ -67,8 +67,9 @@ def add_parser(sub) -> None:
     distill.add_argument(
         "--keep-file",
         default=None,
+        action="append",
         help="A passage of the system prompt (its facts, say) kept as hard text after the soft tokens, which learn "
-        "the rest.",
+        "the rest; with --prompt-level kv, kept as the system turn's own keys/values. Repeat it for several passages.",
     )
     distill.add_argument(
         "--in-system-turn",
@@ -200,12 +201,14 @@ def _distill(args) -> int:
     probes = _probes(args.probe_file)
     from ..distill.content import passage_of  # the standard library only
 
-    args.keep_text = _text_file("--keep-file", args.keep_file).strip() if args.keep_file else None
-    if args.keep_file and not passage_of(args.keep_text, system_prompt):
-        raise ValueError(
-            f"`--keep-file`={args.keep_file!r} must hold a non-empty passage of the system prompt (spacing aside). "
-            "Copy the sentences to keep as hard text from --system-prompt-file."
-        )
+    kept = [_text_file("--keep-file", path).strip() for path in args.keep_file or []]
+    for path, passage in zip(args.keep_file or [], kept, strict=True):
+        if not passage_of(passage, system_prompt):
+            raise ValueError(
+                f"`--keep-file`={path!r} must hold a non-empty passage of the system prompt (spacing aside). "
+                "Copy the sentences to keep as hard text from --system-prompt-file."
+            )
+    args.keep_text = None if not kept else kept[0] if len(kept) == 1 else kept
     if args.turns_per_part < 0:
         raise ValueError(f"`--turns-per-part` must be >= 0, got {args.turns_per_part}.")
     if args.greedy_part_replies and args.turns_per_part < 1:

@@ -106,9 +106,26 @@ def level_problems(prompt_level, init, in_system_turn, keep_text) -> list[str]:
             f"`prompt_init` for prompt_level={prompt_level!r} must be one of {list(INITS[prompt_level])}, got "
             f"{init!r}."
         )
-    if prompt_level == "kv" and (in_system_turn or keep_text is not None):
+    if prompt_level == "kv" and in_system_turn:
         found.append(
-            "`in_system_turn` and `keep_text` place hard tokens around an input prompt; a KV student takes the whole "
-            "system turn's place (prompt_init='selected' keeps its positions): leave them out with prompt_level='kv'."
+            "`in_system_turn` places hard tokens around an input prompt; a KV student takes the whole system turn's "
+            "place (prompt_init='selected' keeps its positions): leave it out with prompt_level='kv'."
+        )
+    if prompt_level == "kv" and keep_text is not None and init != "selected":
+        found.append(
+            f"`keep_text` with prompt_level='kv' keeps the passage as the system turn's own keys/values, which only "
+            f"the 'selected' start holds, got prompt_init={init!r}: pass prompt_init='selected' (the KV default)."
+        )
+    if keep_text is not None and not keep_text_form(keep_text):
+        found.append(
+            f"`keep_text` must be a passage (str) or a non-empty list of them, got {type(keep_text).__name__}: "
+            f"{keep_text!r:.80}."
         )
     return found
+
+
+def keep_text_form(keep_text) -> bool:
+    """Whether `keep_text` is a str or a non-empty list of str."""
+    if isinstance(keep_text, str):
+        return True
+    return isinstance(keep_text, (list, tuple)) and bool(keep_text) and all(isinstance(t, str) for t in keep_text)

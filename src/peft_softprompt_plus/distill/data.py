@@ -5,6 +5,7 @@ student's; and `student_text` / `student_inputs`, which format a student's input
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
@@ -202,11 +203,51 @@ def fits(prepared: Prepared, tokenizer, turn: str) -> bool:
     return True
 
 
+def passages(keep_text) -> list[str]:
+    """`keep_text` (a passage, or a list of them) as a list of stripped passages."""
+    return [keep_text.strip()] if isinstance(keep_text, str) else [t.strip() for t in keep_text]
+
+
 def kept_ids(tokenizer, prepared, keep_text, in_system_turn: bool) -> list[int]:
     """`keep_text`'s ids as the student reads them after its soft tokens: a system turn of its own (plain mode: the
-    text and the separator), or, inside the system turn, a paragraph before the turn's end."""
-    text = keep_text.strip()
+    text and the separator), or, inside the system turn, a paragraph before the turn's end. Several passages are
+    joined by blank lines, in the order given."""
+    text = "\n\n".join(passages(keep_text))
     return _ids(tokenizer, "\n\n" + text if in_system_turn else FORMATS[prepared.mode].prefix(tokenizer, text))
+
+
+def kept_positions(tokenizer, prepared: Prepared, keep_text) -> tuple[list[int], list[int]]:
+    """What a KV student keeps of the teacher's system turn (`prepared.prefix_ids`) as its own keys/values: the
+    positions whose tokens overlap a passage of `keep_text` (spacing aside), and those of the template's own text
+    around the system prompt (its header and end of turn; plain mode: the separator), as the input student's kept
+    text is a system turn of its own. Each sorted."""
+    text = FORMATS[prepared.mode].prefix(tokenizer, prepared.system_prompt)
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError as err:  # a slow (Python) tokenizer has no offsets
+        raise ValueError(
+            f"`keep_text` with prompt_level='kv' finds the passage's tokens by their character offsets, which "
+            f"`tokenizer` ({type(tokenizer).__name__}) does not give. Load a fast tokenizer (use_fast=True)."
+        ) from err
+    if encoded["input_ids"] != prepared.prefix_ids:
+        raise ValueError("`tokenizer` gives other ids for the system turn with offsets than without them.")
+    spans = encoded["offset_mapping"]  # [S] (start, end) characters of each token
+
+    def overlapping(start: int, end: int) -> set:
+        return {i for i, (s, e) in enumerate(spans) if s < end and e > start}
+
+    begin = text.find(prepared.system_prompt)  # search the system prompt, not the template's own text
+    prompt = overlapping(begin, begin + len(prepared.system_prompt)) if begin >= 0 else set(range(len(spans)))
+    facts = set()
+    for passage in passages(keep_text):
+        found = re.compile(r"\s+".join(map(re.escape, passage.split()))).search(text, max(begin, 0))
+        if found is None:
+            raise ValueError(
+                f"`keep_text` passage {passage!r:.80} is not in the system turn as the template renders it (the "
+                "template changed its spacing or text). Keep a passage the rendered system turn holds."
+            )
+        facts |= overlapping(found.start(), found.end())
+    return sorted(facts), sorted(set(range(len(spans))) - prompt)
 
 
 def init_config(tokenizer, prepared: Prepared, n: int, seed: int, init: str, **fields) -> SoftPromptPlusConfig:

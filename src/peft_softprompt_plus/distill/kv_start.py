@@ -4,10 +4,13 @@ pays them (as SnapKV and H2O select a cache).
 
 The keys stay as they were computed, rotary positions included, and the text starts after the whole system turn
 (`kv_text_start` = its length): with N equal to that length the student is the teacher exactly. The first
-`kv_frozen_positions` positions (the attention sink) are always kept.
+`kv_frozen_positions` positions (the attention sink) are always kept, and so are the positions of a kept passage
+(`keep_text`): they keep the teacher's own keys/values, and training leaves them as they are (`kept_mask`).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -33,17 +36,42 @@ def attention_scores(model, prefix_ids: list[int], texts: list[tuple[list[int], 
     return attention_received(model.get_base_model(), owner, prefix_ids, texts, kv_heads)
 
 
-def selected(cache: torch.Tensor, scores: torch.Tensor, n: int, frozen: int) -> torch.Tensor:
-    """The `n` best-scored positions of `cache` (`[layers, 2, Hkv, P, hd]`) per layer and head, in position order,
-    the first `frozen` always among them: `[layers, 2, Hkv, n, hd]`."""
-    layers, _, heads, p, hd = cache.shape
-    if not frozen <= n <= p:
-        raise ValueError(f"`num_virtual_tokens` must be in [{frozen}, {p}] (the system turn's positions), got {n}.")
-    ranked = scores.to(cache.device).clone()  # [layers, Hkv, P]
-    ranked[..., :frozen] = float("inf")
-    keep = ranked.topk(n, dim=-1).indices.sort(dim=-1).values  # [layers, Hkv, n]
-    index = keep[:, None, :, :, None].expand(layers, 2, heads, n, hd)
+def chosen(scores: torch.Tensor, n: int, forced: Sequence[int]) -> torch.Tensor:
+    """The `n` best-scored positions of `scores` (`[layers, Hkv, P]`) per layer and head, in position order, the
+    positions `forced` (the sink, a kept passage) always among them: `[layers, Hkv, n]`."""
+    p = scores.shape[-1]
+    if not len(forced) <= n <= p:
+        raise ValueError(
+            f"`num_virtual_tokens` must be in [{len(forced)}, {p}] (the system turn's positions), got {n}."
+        )
+    ranked = scores.clone()  # [layers, Hkv, P]
+    ranked[..., list(forced)] = float("inf")
+    return ranked.topk(n, dim=-1).indices.sort(dim=-1).values
+
+
+def gathered(cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`cache` (`[layers, 2, Hkv, P, hd]`) at `positions` (`[layers, Hkv, n]`): `[layers, 2, Hkv, n, hd]`."""
+    layers, _, heads, _, hd = cache.shape
+    index = positions.to(cache.device)[:, None, :, :, None].expand(layers, 2, heads, positions.shape[-1], hd)
     return cache.gather(3, index)
+
+
+def selected(cache: torch.Tensor, scores: torch.Tensor, n: int, frozen: int, kept: Sequence[int] = ()) -> torch.Tensor:
+    """The `n` best-scored positions of `cache` (`[layers, 2, Hkv, P, hd]`) per layer and head, in position order,
+    the first `frozen` and the `kept` ones always among them: `[layers, 2, Hkv, n, hd]`."""
+    forced = sorted(set(range(frozen)) | set(kept))
+    return gathered(cache, chosen(scores.to(cache.device), n, forced))
+
+
+def kept_mask(positions: torch.Tensor, frozen: int, kept: Sequence[int]) -> torch.Tensor:
+    """Which entries of the trained part of a `selected` start (its positions `[layers, Hkv, n]` after the first
+    `frozen`) hold a `kept` position: `[layers, 1, Hkv, n - frozen, 1]` bool, the shape of a gradient mask over the
+    prompt leaf `[layers, 2, Hkv, n - frozen, hd]`. Selection differs per head, so kept positions sit at other
+    indices in each head."""
+    trained = positions[..., frozen:]  # [layers, Hkv, n - frozen]
+    return torch.isin(trained, torch.tensor(list(kept), dtype=trained.dtype, device=trained.device))[
+        :, None, ..., None
+    ]
 
 
 @torch.no_grad()

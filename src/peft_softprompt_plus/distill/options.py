@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from .._moved import REMOVED_IN, user_stacklevel
 
@@ -33,7 +33,11 @@ class DistillOptions:
         None, "A KV student's frozen leading positions, the attention sink (None: 1, the KV recipe's)."
     )
     in_system_turn: bool = _option(False, "Place the soft tokens inside the template's system turn.")
-    keep_text: Optional[str] = _option(None, "A passage of the system prompt kept as hard text after the soft tokens.")
+    keep_text: Optional[Union[str, Sequence[str]]] = _option(
+        None,
+        "A passage of the system prompt (or a list of them) kept as hard text after the soft tokens; a KV student "
+        "keeps its positions as the teacher's own keys/values, counted in N and never trained.",
+    )
     chat: bool = _option(True, "Through the model's chat template (False: a plain text prefix).")
     # What the teacher writes.
     sampled_turns: int = _option(64, "User turns the teacher writes when none are given.")

@@ -12,10 +12,10 @@ from typing import Optional, Sequence, Union
 import torch
 from peft import PeftModel, get_peft_model
 
-from ..forward import semantics
+from ..forward import semantics, validation
 from . import content as distill_content
 from . import data as distill_data
-from .checks import level_defaults, level_problems, problems_of, study_problems
+from .checks import keep_text_form, level_defaults, level_problems, problems_of, study_problems
 from .options import DistillOptions
 from .teacher import (
     TEACHER,
@@ -54,6 +54,10 @@ class Preparation:
     samples: DistillSamples
     teacher_gap: float  # max |teacher adapter - base on the hard ids| / max |logit|, on one training row
     pad_id: int
+    # A KV student's kept positions of the system turn (a passage's and the template's own), and how many are the
+    # passage's (`keep_text`): the teacher's keys/values, never trained.
+    kept_positions: tuple[int, ...] = ()
+    facts: int = 0
 
 
 def resolved(o: DistillOptions) -> DistillOptions:
@@ -75,11 +79,13 @@ def _check(model, system_prompt: str, o: DistillOptions, given: Given) -> None:
     problems = problems_of(model, o, given.user_turns, given.held_out_turns, given.probes)
     problems += level_problems(o.prompt_level, o.prompt_init, o.in_system_turn, o.keep_text)
     problems += study_problems(o.self_study, o.kl_top_k, o.kv_frozen_positions, o.prompt_level)
-    if o.keep_text is not None and not distill_content.passage_of(o.keep_text, system_prompt):
-        problems.append(
-            f"`keep_text` must be a non-empty passage of `system_prompt` (spacing aside), got {o.keep_text!r:.80}. "
-            "Copy the sentences to keep as hard text (its facts, say) from the system prompt."
-        )
+    kept = distill_data.passages(o.keep_text) if o.keep_text is not None and keep_text_form(o.keep_text) else []
+    for passage in kept:
+        if not distill_content.passage_of(passage, system_prompt):
+            problems.append(
+                f"`keep_text` must be a non-empty passage of `system_prompt` (spacing aside), got {passage!r:.80}. "
+                "Copy the sentences to keep as hard text (its facts, say) from the system prompt."
+            )
     if problems:
         raise ValueError("distill_prompt: " + " ".join(problems))
 
@@ -96,7 +102,7 @@ def _student_config(tokenizer, prompt: distill_data.Prepared, o: DistillOptions)
     if o.in_system_turn:  # the template's system header before the soft tokens, its end of turn after them
         head, tail = distill_data.system_turn(tokenizer, prompt)
         config.prompt_prefix_ids, config.prompt_suffix_ids = head or None, tail or None
-    if o.keep_text is not None:  # frozen hard tokens after the soft ones, saved with the adapter
+    if o.keep_text is not None and o.prompt_level == "input":  # frozen hard tokens after the soft ones, saved
         kept = distill_data.kept_ids(tokenizer, prompt, o.keep_text, o.in_system_turn)
         config.prompt_suffix_ids = kept + (config.prompt_suffix_ids or [])
     return config
@@ -106,6 +112,7 @@ def prepare(model, tokenizer, system_prompt: str, o: DistillOptions, given: Give
     """Check, attach the student and the teacher, draw the samples (`o` resolved)."""
     _check(model, system_prompt, o, given)
     prompt = distill_data.prepare(tokenizer, system_prompt, o.chat, o.num_virtual_tokens)
+    kept, facts = _kv_check(model, tokenizer, prompt, o)
     if given.samples is not None and (given.samples.mode, given.samples.prefix_ids) != (
         prompt.mode,
         prompt.prefix_ids,
@@ -135,7 +142,38 @@ def prepare(model, tokenizer, system_prompt: str, o: DistillOptions, given: Give
             samples = _draw(model, tokenizer, prompt, o, given, pad, log)
             samples.seconds = (time.perf_counter() - began, time.process_time() - began_cpu)
     gap = teacher_gap(model, prompt.prefix_ids, samples.train[0].ids)
-    return Preparation(model=model, prompt=prompt, samples=samples, teacher_gap=gap, pad_id=pad)
+    return Preparation(
+        model=model, prompt=prompt, samples=samples, teacher_gap=gap, pad_id=pad, kept_positions=kept, facts=facts
+    )
+
+
+def _kv_check(model, tokenizer, prompt: distill_data.Prepared, o: DistillOptions) -> tuple[tuple[int, ...], int]:
+    """A `selected` KV student's checks that need the system turn's tokens: the sliding window, and the kept
+    positions, which N counts (returned, with how many of them are the passage's)."""
+    if o.prompt_level != "kv" or o.prompt_init != "selected":
+        return (), 0
+    s, n = len(prompt.prefix_ids), o.num_virtual_tokens
+    why = validation.window_refused(model, s, n)
+    if why:
+        raise ValueError(
+            f"distill_prompt: prompt_init='selected' keeps {n} of the system turn's {s} positions, each at its own "
+            f"position, and the text reads on at {s}: {why} Pass num_virtual_tokens={s} (every position: the "
+            "teacher, exactly), another start (prompt_init='text', 'vocab' or 'random': a KV prompt at positions "
+            "0..N-1), or prompt_level='input'."
+        )
+    if o.keep_text is None:
+        return (), 0
+    facts, frame = distill_data.kept_positions(tokenizer, prompt, o.keep_text)
+    kept = sorted(set(facts) | set(frame))
+    forced = set(kept) | set(range(o.kv_frozen_positions or 0))
+    if len(forced) > n:
+        raise ValueError(
+            f"distill_prompt: `keep_text` covers {len(facts)} of the system turn's {s} positions, {len(forced)} with "
+            f"the template's own ({len(frame)}) and the {o.kv_frozen_positions or 0} frozen first, more than "
+            f"`num_virtual_tokens`={n}, which counts every kept position. Pass num_virtual_tokens >= {len(forced)} "
+            "(the kept positions, then the ones to select), or keep a shorter passage."
+        )
+    return tuple(kept), len(facts)
 
 
 def _draw(model, tokenizer, prompt, o: DistillOptions, given: Given, pad: int, log) -> DistillSamples:

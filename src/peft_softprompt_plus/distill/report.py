@@ -35,6 +35,10 @@ class DistillReport:
     content: Optional[ContentScore] = None  # facts stated in greedy replies to the probes (None: no probes)
     kept_text: Optional[Figures] = None  # `keep_text` alone as the system turn, no soft tokens (None: nothing kept)
     kept_text_content: Optional[ContentScore] = None  # its content score, "student" being the kept text alone
+    # A KV student's N positions kept as the teacher's own keys/values, never trained: a kept passage's (`facts`)
+    # and the template's own around the system prompt; the rest are selected and trained.
+    kept_positions: int = 0
+    facts: int = 0
 
     @property
     def gap_closed(self) -> float:
@@ -59,6 +63,7 @@ class DistillReport:
             + f"; {self.train_seconds:.0f} s of training"
             + (f", {rows.seconds[0]:.0f} s drawing the teacher's samples" if rows.seconds else ""),
             "options: " + ", ".join(f"{name}={value!r}" for name, value in self.options_dict().items()),
+            *self._kv_lines(),
             f"teacher check: the frozen hard-prompt adapter equals the base fed the hard tokens within "
             f"{self.teacher_gap:.1e} (relative)",
             f"held out ({len(rows.held_out_turns)} user turns never trained on, {len(rows.held_out)} continuations):",
@@ -68,6 +73,15 @@ class DistillReport:
             f"{n.first_token:.0%}), first 16 tokens {s.first_16:.0%} (no system prompt {n.first_16:.0%})",
             *self._kept_text_lines(),
             *self._content_lines(),
+        ]
+
+    def _kv_lines(self) -> list[str]:
+        if not self.kept_positions:
+            return []
+        n, kept = self.options.num_virtual_tokens, self.kept_positions
+        return [
+            f"KV positions: {n} = {self.facts} kept facts + {kept - self.facts} of the template's system turn (the "
+            f"teacher's own keys/values, never trained) + {n - kept} selected and trained"
         ]
 
     def _kept_text_lines(self) -> list[str]:
@@ -137,6 +151,15 @@ class DistillReport:
             "held_out_gap_closed": round(self.gap_closed, 4),
             "greedy_first_token_agreement": round(self.student.first_token, 4),
             "greedy_first_16_agreement": round(self.student.first_16, 4),
+            **(
+                {
+                    "kv_kept_fact_positions": self.facts,
+                    "kv_kept_template_positions": self.kept_positions - self.facts,
+                    "kv_selected_positions": self.options.num_virtual_tokens - self.kept_positions,
+                }
+                if self.kept_positions
+                else {}
+            ),
             **(
                 {
                     "content_probes": self.content.probes,

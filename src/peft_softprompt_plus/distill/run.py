@@ -54,13 +54,14 @@ def distill_prompt(
             prep.model, prep.samples, STUDENT, prep.pad_id, prep.prompt.stop_ids, o.batch_size
         )
 
-    training = train(prep, o, evaluate, log)
+    training = train(prep, o, began, evaluate, log)
     scores = _score(prep, o, tokenizer, training, evaluate, log)
     report = DistillReport(
         options=o, mode=prep.prompt.mode, prefix_tokens=len(prep.prompt.prefix_ids), init=began.init,
         teacher_gap=prep.teacher_gap, samples=prep.samples, student=scores.student, none=scores.none,
         train_seconds=training.seconds, train_cpu_seconds=training.cpu_seconds, curve=training.curve,
         content=scores.content, kept_text=scores.kept_text, kept_text_content=scores.kept_text_content,
+        kept_positions=began.kept_positions, facts=began.facts,
     )  # fmt: skip
     model = prep.model
     model.delete_adapter(TEACHER)

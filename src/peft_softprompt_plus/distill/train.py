@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -25,20 +25,29 @@ class Start:
     """The start stage's record."""
 
     init: str  # the start, in words
+    # A kept passage's entries in the trained prompt leaf, `[layers, 1, Hkv, N - frozen, 1]` bool: their gradient is
+    # zeroed, so they stay the teacher's own keys/values (None: nothing kept).
+    kept: Optional[torch.Tensor] = None
+    kept_positions: int = 0  # how many of the N positions are kept (the passage's and the template's own)
+    facts: int = 0  # how many of those are the passage's
 
 
 def start(prep: Preparation, o: DistillOptions) -> Start:
     """The student's start: the `selected` KV start is installed here; the others were set when it attached."""
     if o.prompt_init == "selected":
-        _select(prep, o)
-        return Start("selected (the system turn's most attended positions), KV")
+        kept = _select(prep, o)
+        words = "selected (the system turn's most attended positions)"
+        if prep.kept_positions:
+            words += f" and {len(prep.kept_positions)} kept (the teacher's own, never trained)"
+        return Start(words + ", KV", kept, len(prep.kept_positions), prep.facts)
     init = prep.model.peft_config[STUDENT].prompt_init  # "text" becomes "vocab" where the tokenizer can't reload
     init += " (the system prompt's first tokens)" if init == "text" else ""
     return Start(init + (", KV" if o.prompt_level == "kv" else ""))
 
 
-def _select(prep: Preparation, o: DistillOptions) -> None:
-    """The student's N positions: the system turn's most attended by the training texts."""
+def _select(prep: Preparation, o: DistillOptions) -> Optional[torch.Tensor]:
+    """The student's N positions: a kept passage's, and the system turn's most attended by the training texts; the
+    kept ones' mask over the trained leaf (None: nothing kept)."""
     model, prefix_ids = prep.model, prep.prompt.prefix_ids
     heads = model.base_model.forward_state.kv_layout.heads
     # Rows spread over every kind of training turn (the teacher's own, the questions about each part), scored by the
@@ -47,8 +56,10 @@ def _select(prep: Preparation, o: DistillOptions) -> None:
     rows = train[:: max(1, len(train) // SELECTION_ROWS)][:SELECTION_ROWS]
     scores = kv_start.attention_scores(model, prefix_ids, [(s.ids, s.first) for s in rows], heads)
     frozen = model.peft_config[STUDENT].kv_frozen_positions
-    values = kv_start.selected(kv_start.prompt_cache(model, prefix_ids), scores, o.num_virtual_tokens, frozen)
-    kv_start.install(model, STUDENT, values)
+    forced = sorted(set(range(frozen)) | set(prep.kept_positions))
+    positions = kv_start.chosen(scores, o.num_virtual_tokens, forced)  # [layers, Hkv, N]
+    kv_start.install(model, STUDENT, kv_start.gathered(kv_start.prompt_cache(model, prefix_ids), positions))
+    return kv_start.kept_mask(positions, frozen, prep.kept_positions) if prep.kept_positions else None
 
 
 @dataclass
@@ -72,9 +83,19 @@ def _batches(count: int, batch_size: int, rng: random.Random):
         order = order[batch_size:]
 
 
-def train(prep: Preparation, o: DistillOptions, evaluate: Callable[[], Figures], log) -> Training:
+def train(prep: Preparation, o: DistillOptions, began: Start, evaluate: Callable[[], Figures], log) -> Training:
+    prompt = prep.model.base_model.prompt(STUDENT)
+    # A kept entry's gradient is zero at every step, so AdamW (no decay) never moves it: its moments stay zero.
+    hook = None if began.kept is None else prompt.register_hook(lambda grad: grad.masked_fill(began.kept, 0.0))
+    try:
+        return _loop(prep, o, prompt, evaluate, log)
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+def _loop(prep: Preparation, o: DistillOptions, prompt, evaluate: Callable[[], Figures], log) -> Training:
     model, samples = prep.model, prep.samples
-    prompt = model.base_model.prompt(STUDENT)
     # Decay would pull the prompt off the embedding manifold; the optimizer holds the student's prompt alone.
     opt = torch.optim.AdamW([prompt], lr=o.lr, weight_decay=0.0)
     picks, losses = _batches(len(samples.train), o.batch_size, random.Random(o.seed)), []

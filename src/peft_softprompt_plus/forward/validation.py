@@ -235,15 +235,20 @@ def kv_refused(model: nn.Module, config, layout) -> Optional[str]:
     why = layout.why_not()
     if why:
         return f"`prompt_level`='kv' can't be stored for {name}: {why}. Use prompt_level='input'."
-    start, n = config.kv_text_start, config.num_virtual_tokens
-    if start is not None and start != n and getattr(model.config, "sliding_window", None):
-        return (
-            f"`kv_text_start`={start} with num_virtual_tokens={n} on {name}, whose layers have a sliding window "
-            f"({model.config.sliding_window}): the window measures each key's distance from the text, and keys kept "
-            "at their own positions in a longer text have no single distance. Use kv_text_start=None (N) on this "
-            "model."
-        )
-    return None
+    return window_refused(model, config.kv_text_start, config.num_virtual_tokens)
+
+
+def window_refused(model: nn.Module, start: Optional[int], n: int) -> Optional[str]:
+    """Why N stored keys read with the text at `start` can't be exact on `model`, or None: a sliding window
+    measures a prompt key's distance by its index among the N, which is its position only when `start` is N."""
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    if start is None or start == n or not window:
+        return None
+    return (
+        f"`kv_text_start`={start} with num_virtual_tokens={n} on {type(model).__name__}, whose layers have a sliding "
+        f"window ({window}): the window measures each key's distance from the text, and keys kept at their own "
+        "positions in a longer text have no single distance. Use kv_text_start=None (N) on this model."
+    )
 
 
 def check_kv_room(model: nn.Module, config) -> None:
