@@ -28,7 +28,8 @@ from ..distill.data import student_text
 from ..files.content_hash import content_hash
 from ..files.inspect_adapter import read_adapter
 from ..integrations.serving import prompt_block, text_embeddings
-from . import serve_kv, serve_share
+from . import serve_kv, serve_kv_fit, serve_share
+from .serve_compose import Compositions
 from .serve_requests import Call, FrontError, Limits
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's Completions default
@@ -45,9 +46,13 @@ class Adapter:
     block: Optional[torch.Tensor] = None  # [P+N+S, D] an input prompt's prefix, soft rows and suffix
     kv: Optional[str] = None  # a KV prompt: its content hash, the file vLLM's connector reads (serve_kv.py)
     first_hard: Optional[int] = None  # the prefix's first id (a BOS there means the text must not bring its own)
+    kv_values: Optional[torch.Tensor] = None  # [layers, 2, Hkv, N, hd] a KV adapter's keys/values as trained
+    kv_start: Optional[int] = None  # where its text starts (`kv_text_start`) for `kv_values`
+    folded_from: Optional[int] = None  # the text start the published keys were folded from to N (None: not moved)
+    parts: tuple[str, ...] = ()  # a composition's KV adapters, in order (`--compose`)
 
 
-class Front:
+class Front(Compositions):
     """The base model, its tokenizer and the served adapters. One PeftModel holds only the adapter being built
     (`_build_lock`); the served adapters are records swapped in whole (`_lock`), so removing one never waits for a
     build, and a failed build leaves the served one as it was."""
@@ -71,6 +76,8 @@ class Front:
         self.verified: set[str] = set()  # KV prompts the engine was seen to apply
         self.model: Optional[PeftModel] = None
         self.adapters: dict[str, Adapter] = {}
+        self.compositions: dict[str, tuple[str, ...]] = {}  # name -> its KV adapters, rebuilt when one is replaced
+        self.engine = serve_kv_fit.engine_shape(self.base.config)  # the model vLLM serves, as vLLM reads it
         self._lock = threading.Lock()
         self.share = serve_share.Share(named=lambda: {a.kv for a in self.adapters.values()})  # KV prompts' files
         self._build_lock = threading.Lock()
@@ -98,23 +105,26 @@ class Front:
         kv = config.get("prompt_level") == "kv"
         if kv and self.kv_share is None:
             raise FrontError(400, serve_kv.refusal(name, folder))
-        if kv:
-            serve_kv.check_servable(name, folder, config)
         self._check_fits(name, folder, config, None if kv else prompt.shape[-1])
+        if kv:  # before vLLM's connector ever sees it
+            serve_kv_fit.check_shape(name, folder, config, tuple(prompt.shape), self.engine)
+            serve_kv_fit.check_foldable(name, folder, config, self.base.config)
         with self._build_lock:
             values = self._build(folder, kv)
         n = int(config["num_virtual_tokens"])
         chat = config.get("chat_format") or "template"
         if kv:
-            digest = self.share.publish(self.kv_share, config, values)  # held until it is swapped in
-            adapter = Adapter(name, folder, n, chat, n, digest, kv=digest)
+            start = config.get("kv_text_start") or n
+            served, folded_from = serve_kv_fit.at_n(values, start, self.base.config)  # vLLM puts the text at N
+            saved = config if folded_from is None else {**config, "kv_text_start": n}
+            digest = self.share.publish(self.kv_share, saved, served)  # held until it is swapped in
+            kept = dict(kv_values=values, kv_start=start, folded_from=folded_from)
+            adapter = Adapter(name, folder, n, chat, n, digest, kv=digest, **kept)
         else:
             first = (config.get("prompt_prefix_ids") or [None])[0]
             salt = content_hash(config, {SAVED_KEY: prompt})  # the saved prompt: the block's other rows come from ids
             adapter = Adapter(name, folder, n, chat, values.shape[0], salt, values, first_hard=first)
-        with self._lock:
-            self.adapters = {**self.adapters, name: adapter}
-        self.share.release(adapter.kv)  # and the file of the adapter it replaced, unless a request reads it
+        self._swap_in(name, adapter)  # with the compositions that name it rebuilt (serve_compose.py)
         return adapter
 
     def _build(self, folder: str, kv: bool) -> torch.Tensor:
@@ -141,7 +151,9 @@ class Front:
         with self._lock:
             if name not in self.adapters:
                 raise FrontError(404, f"adapter {name!r} is not served here: GET /v1/models lists what is.")
+            self._check_uncomposed(name)
             self.adapters = {k: v for k, v in self.adapters.items() if k != name}
+            self.compositions = {k: v for k, v in self.compositions.items() if k != name}
         self.share.release()
 
     def _check_fits(self, name: str, folder: str, config: dict, width: Optional[int]) -> None:
@@ -184,6 +196,7 @@ class Front:
         out = []
         for ids in rows:
             body = {**call.options, "model": upstream_model, "max_tokens": self._max_tokens(call, adapter, ids, limit)}
+            serve_kv_fit.check_window(adapter, self.base.config, len(ids) + body["max_tokens"])
             if adapter is None:
                 if not ids:
                     raise FrontError(400, "the prompt is empty: send some text (the base has no soft prompt to read).")

@@ -1,0 +1,113 @@
+"""Compositions by name behind `softprompt-plus serve --compose NAME=a,b`: loaded KV adapters served as one prompt
+under a name of their own, their caches concatenated in order and their text starts summed, as our
+`set_adapter(["a", "b"])` reads them; published for vLLM's connector like any KV adapter, and rebuilt whenever an
+adapter they name is replaced."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from .serve_kv_fit import at_n
+from .serve_requests import FrontError
+
+
+def composed(name: str, parts: tuple[str, ...], adapters: dict, model_config) -> tuple[torch.Tensor, Optional[int]]:
+    """The composition `name` of the KV adapters `parts` (records of `adapters`, in order): their `[layers, 2, Hkv,
+    N1+N2+..., hd]` caches concatenated as stored, and its text start, the sum of theirs (each cache keeps its own
+    positions: `SoftPromptPlusModel.text_start`); then folded as one to start the text at N1+N2+...: a part folded
+    alone would be off by the others' shifts. Returns the values vLLM reads and the start they were folded from."""
+    records = [adapters.get(part) for part in parts]
+    if len(parts) < 2:
+        raise FrontError(400, f"`--compose` {name}: a composition names two or more KV adapters, got {list(parts)}.")
+    wrong = [p for p, r in zip(parts, records, strict=True) if r is None or r.kv_values is None]
+    if wrong:
+        kv = sorted(k for k, r in adapters.items() if r.kv_values is not None)
+        raise FrontError(
+            400,
+            f"`--compose` {name}={','.join(parts)}: {wrong} is not a loaded KV adapter (prompt_level='kv'; a "
+            f"composition doesn't compose). The KV adapters loaded: {kv}.",
+        )
+    formats = {r.chat_format for r in records}
+    if len(formats) > 1:
+        raise FrontError(
+            400, f"`--compose` {name}: its adapters format chat differently ({sorted(formats)}): compose ones alike."
+        )
+    values = torch.cat([r.kv_values for r in records], dim=-2)  # [layers, 2, Hkv, sum N, hd]
+    start = sum(r.kv_start for r in records)
+    return at_n(values, start, model_config)
+
+
+def composition(name: str, parts: tuple[str, ...], adapters: dict, model_config, publish: Callable):
+    """The served record of composition `name` (`composed`), its values published with `publish(config, values)`
+    (which returns their content hash): the first part's record with the composition's name, positions and hash."""
+    values, folded_from = composed(name, parts, adapters, model_config)
+    n = values.shape[-2]
+    digest = publish({"prompt_level": "kv", "num_virtual_tokens": n, "kv_text_start": n}, values)
+    folders = ", ".join(adapters[p].folder for p in parts)
+    fields = dict(num_virtual_tokens=n, positions=n, salt=digest, kv=digest, kv_values=None, kv_start=None)
+    return dataclasses.replace(
+        adapters[parts[0]], name=name, folder=folders, folded_from=folded_from, parts=parts, **fields
+    )
+
+
+def recomposed(adapters: dict, compositions: dict, changed: str, model_config, publish: Callable) -> dict:
+    """The compositions that name adapter `changed`, rebuilt from `adapters` (where it was just replaced)."""
+    return {
+        name: composition(name, parts, adapters, model_config, publish)
+        for name, parts in compositions.items()
+        if changed in parts
+    }
+
+
+class Compositions:
+    """The front's compositions (mixed into `serve_front.Front`, whose `adapters`, `_lock`, `share`, `kv_share` and
+    `base` it uses): `compositions` maps each name to its adapters' names."""
+
+    compositions: dict[str, tuple[str, ...]]
+
+    def compose(self, name: str, parts):
+        """Serve the loaded KV adapters `parts` composed, under `name` (`--compose NAME=a,b`)."""
+        if not isinstance(name, str) or not name or name == self.base_name or "/" in name or name in self.adapters:
+            raise FrontError(400, f"`--compose` name {name!r} is taken or invalid: use a name no adapter has.")
+        held: list = []
+        try:
+            with self._lock:
+                adapter = composition(name, tuple(parts), self.adapters, self.base.config, self._publisher(held))
+                self.adapters = {**self.adapters, name: adapter}
+                self.compositions = {**self.compositions, name: adapter.parts}
+        finally:
+            self._release(held)
+        return adapter
+
+    def _swap_in(self, name: str, adapter) -> None:
+        """Serve `adapter` (its file published and held) as `name`, the compositions that name it rebuilt from it, or
+        change nothing; a composition of that name is replaced by it."""
+        held = [adapter.kv]
+        try:
+            with self._lock:
+                parts = {k: v for k, v in self.compositions.items() if k != name}
+                adapters = {**self.adapters, name: adapter}
+                rebuilt = recomposed(adapters, parts, name, self.base.config, self._publisher(held))
+                self.adapters, self.compositions = {**adapters, **rebuilt}, parts
+        finally:
+            self._release(held)  # and the files of what was replaced, unless a request reads them
+
+    def _check_uncomposed(self, name: str) -> None:
+        """Refuse to remove an adapter a composition names (called under `_lock`)."""
+        using = sorted(k for k, parts in self.compositions.items() if name in parts)
+        if using:
+            raise FrontError(409, f"adapter {name!r} is composed in {using}: remove those compositions first.")
+
+    def _publisher(self, held: list) -> Callable:
+        def publish(config: dict, values: torch.Tensor) -> str:
+            held.append(self.share.publish(self.kv_share, config, values))  # held until `_release`
+            return held[-1]
+
+        return publish
+
+    def _release(self, held: list) -> None:
+        for digest in held:
+            self.share.release(digest)
