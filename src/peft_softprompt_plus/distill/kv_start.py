@@ -32,8 +32,10 @@ def attention_scores(model, prefix_ids: list[int], texts: list[tuple[list[int], 
     """How much attention the queries of `texts` (each `(ids, first)`, read after the system turn; its queries from
     index `first` on: the reply's, where the system prompt's facts are read) pay each system-turn position, summed
     over queries, texts and the query heads that share a key/value head: `[layers, Hkv, P]` (`model` a PeftModel)."""
-    owner = model.base_model.forward_state.attention
-    return attention_received(model.get_base_model(), owner, prefix_ids, texts, kv_heads)
+    state = model.base_model.forward_state
+    if kv_heads != state.kv_layout.heads:
+        raise ValueError(f"`kv_heads`={kv_heads} is not the model's {state.kv_layout.heads} key/value heads.")
+    return attention_received(model.get_base_model(), state.attention, prefix_ids, texts, state.kv_layout)
 
 
 def chosen(scores: torch.Tensor, n: int, forced: Sequence[int]) -> torch.Tensor:

@@ -7,6 +7,7 @@ demonstration's ids and its span among the kept positions, which leave-one-out r
 from __future__ import annotations
 
 import random
+import threading
 from typing import Any, Optional, Sequence
 
 import torch
@@ -87,20 +88,42 @@ def kept_spans(spans: list[list[int]], kept: torch.Tensor) -> list[list[int]]:
 
 
 @torch.no_grad()
-def attention_received(model: nn.Module, owner, ids: list[int], rows: Sequence[tuple[list[int], int]], kv_heads: int):
+def attention_received(
+    model: nn.Module, owner, ids: list[int], rows: Sequence[tuple[list[int], int]], layout: KVLayout
+):
     """How much attention the queries of `rows` (each `(ids, first)`: read after `ids`, its queries from index `first`
     on) pay each position of `ids` in the frozen `model`, summed over queries, rows and the query heads that share a
-    key/value head: `[layers, Hkv, P]`. Eager computes it for this thread's calls alone (`owner.running`); the base
-    model is called without the prompt keyword, so it computes the base model."""
-    total, p = None, len(ids)
+    key/value head: `[layers, Hkv, P]` (`layout`: the attention modules, in order, and their Hkv). Eager computes it
+    for this thread's calls alone (`owner.running`); the base model is called without the prompt keyword, so it
+    computes the base model. Each layer's weights are summed as that layer returns them and dropped (a hook on each
+    attention module, reading this thread's calls alone), so only one layer's `[H, T, T]` is alive at a time, not
+    every layer's (`output_attentions=True` would keep them all)."""
+    p, heads = len(ids), layout.heads
     device = model.get_input_embeddings().weight.device
-    with owner.running(model, "eager"):
-        for text, first in rows:
-            batch = torch.tensor([list(ids) + list(text)], device=device)
-            weights = model(input_ids=batch, output_attentions=True).attentions  # layers x [1, H, T, T]
-            paid = torch.stack([w[0, :, p + first :, :p].float().sum(1) for w in weights])  # [layers, H, P]
-            grouped = paid.view(paid.shape[0], kv_heads, -1, p).sum(2)  # [layers, Hkv, P]
-            total = grouped if total is None else total + grouped
+    total = torch.zeros(len(layout.modules), heads, p, device=device)  # [layers, Hkv, P]
+    start, caller = [0], threading.get_ident()  # the current row's first query index, and whose calls are read
+
+    def summed(index: int):
+        def hook(module, args, output):
+            if threading.get_ident() != caller:  # another thread's forward (its own kernel) shares the modules
+                return
+            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [1, H, T, T]
+            if weights is None:
+                raise RuntimeError(f"{type(module).__name__} returned no attention weights under eager attention.")
+            paid = weights[0, :, p + start[0] :, :p].float().sum(1)  # [H, P]
+            total[index] += paid.view(heads, -1, p).sum(1)  # [Hkv, P]: query head q reads key/value head q // group
+
+        return hook
+
+    handles = [m.register_forward_hook(summed(i)) for i, m in enumerate(layout.modules)]
+    try:
+        with owner.running(model, "eager"):
+            for text, first in rows:
+                start[0] = first
+                model(input_ids=torch.tensor([list(ids) + list(text)], device=device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
     return total
 
 
@@ -122,7 +145,7 @@ def initial_values(config: Config, model: nn.Module, layout: KVLayout, owner, ru
     kept = torch.arange(len(ids))
     if config.num_virtual_tokens < len(ids):
         readers = [(demo, 0) for demo in config.demonstration_ids]
-        scores = attention_received(model, owner, ids, readers, layout.heads)
+        scores = attention_received(model, owner, ids, readers, layout)
         kept = selected_positions(scores, config.num_virtual_tokens, config.kv_frozen_positions or 0)
         values = values[..., kept.to(values.device), :]
     config.demonstration_spans = kept_spans(config.demonstration_spans, kept)
