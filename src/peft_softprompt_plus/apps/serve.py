@@ -211,6 +211,8 @@ def main(args) -> int:
         print(f"KV prompts: start vLLM with --kv-transfer-config '{vllm_config(args.kv_share)}'", flush=True)
     for name, folder in args.adapter:
         front.add(name, folder)
+    for name, parts in args.compose:  # once the adapters they name are loaded
+        front.compose(name, parts)
     app = build_app(
         front,
         args.upstream,
