@@ -622,14 +622,20 @@ def test_serve_with_vllm_md_names_real_flags_files_and_names():
     assert named == set(adapters), (named, adapters)
 
 
-def test_distillation_md_says_the_front_refuses_a_selected_kv_student():
+def test_distillation_md_says_the_front_folds_a_selected_kv_student_on_rotary_bases_only():
     """A `selected` KV student's text starts where the system turn ended (tests/test_examples.py reads it off the
-    distill example); the front refuses any KV adapter whose text does not start at N."""
-    from peft_softprompt_plus.apps import serve_kv
+    distill example); the front folds a KV adapter whose text starts past N on a rotary base and refuses it, with the
+    fold's reason, on GPT-2 (tests/apps/test_serve_kv_fit.py serves a folded one)."""
+    from peft_softprompt_plus.apps.serve_kv_fit import check_foldable
     from peft_softprompt_plus.apps.serve_requests import FrontError
+    from peft_softprompt_plus.apps.tiny import tiny_family
 
     text = " ".join((ROOT / "docs" / "distillation.md").read_text().split())
-    assert "serves only a KV prompt whose text starts at N" in text and "`softprompt-plus serve` refuses" in text
-    serve_kv.check_servable("kv", "folder", {"num_virtual_tokens": 4, "kv_text_start": 4})
-    with pytest.raises(FrontError, match="kv_text_start=9, not N=4"):
-        serve_kv.check_servable("kv", "folder", {"num_virtual_tokens": 4, "kv_text_start": 9})
+    assert "serves only a KV prompt whose text starts at N" in text
+    assert "`softprompt-plus serve` folds such a student at load on a rotary base" in text
+    assert "refuses it, with the fold's reason, on others (GPT-2's absolute positions)" in text
+    late = {"num_virtual_tokens": 4, "kv_text_start": 9}
+    check_foldable("kv", "folder", late, tiny_family("llama").config)
+    check_foldable("kv", "folder", {"num_virtual_tokens": 4, "kv_text_start": 4}, tiny_family("gpt2").config)
+    with pytest.raises(FrontError, match="kv_text_start=9, not N=4.*learned absolute position embeddings"):
+        check_foldable("kv", "folder", late, tiny_family("gpt2").config)

@@ -452,6 +452,7 @@ def test_the_key_is_required_and_the_host_must_be_this_machine_s(stack):
         (["--host", "0.0.0.0"], "pass --api-key"),
         (["--allow-adapter-updates"], "`--allow-adapter-updates` lets a client load any folder"),
         (["--max-n", "0"], "`--max-n` takes a positive integer, got '0'"),
+        (["--compose", "ab=a"], "`--compose` takes NAME=A,B[,...] (two or more loaded KV adapters' names)"),
     ],
 )
 def test_the_cli_refuses_before_loading_anything(stack, argv, words, capsys, monkeypatch):
@@ -563,6 +564,8 @@ def test_the_cli_s_host_names_add_to_loopback_and_limit_a_public_front(stack, mo
     monkeypatch.delenv("SOFTPROMPT_PLUS_API_KEY", raising=False)
     base = ["serve", "--base", stack["base"], "--upstream", "http://127.0.0.1:9"]
     assert main(base) == 0 and seen[-1].allowed_hosts == ("localhost", "127.0.0.1", "::1")
+    assert main([*base, "--compose", "ab=a,b", "--compose", "abc=a,b,c"]) == 0
+    assert seen[-1].compose == [("ab", ["a", "b"]), ("abc", ["a", "b", "c"])]
     assert main([*base, "--allowed-host", "Proxy.Local"]) == 0
     assert seen[-1].allowed_hosts == ("localhost", "127.0.0.1", "::1", "proxy.local")
     public = [*base, "--host", "0.0.0.0", "--api-key", "k"]

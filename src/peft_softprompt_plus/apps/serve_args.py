@@ -25,6 +25,16 @@ def _adapter(value: str) -> tuple[str, str]:
     return name, folder
 
 
+def _composition(value: str) -> tuple[str, list[str]]:
+    name, sep, parts = value.partition("=")
+    names = parts.split(",")
+    if not sep or not name or len(names) < 2 or not all(names):
+        raise argparse.ArgumentTypeError(
+            f"`--compose` takes NAME=A,B[,...] (two or more loaded KV adapters' names), got {value!r}."
+        )
+    return name, names
+
+
 def add_parser(sub) -> None:
     serve = sub.add_parser(
         "serve",
@@ -71,6 +81,14 @@ def add_parser(sub) -> None:
         help="A folder vLLM's processes can read: KV adapters (prompt_level='kv') are published there by content hash "
         "for this package's KV connector. Without it, KV adapters are refused. The front prints vLLM's "
         "--kv-transfer-config for it.",
+    )
+    serve.add_argument(
+        "--compose",
+        type=_composition,
+        action="append",
+        default=[],
+        help="NAME=A,B: serve the KV adapters A, B (loaded with --adapter) composed under NAME, their caches in this "
+        "order, as set_adapter(['A', 'B']) reads them (repeatable).",
     )
     for f in dataclasses.fields(Limits):
         flag = "--" + f.name.replace("_", "-")

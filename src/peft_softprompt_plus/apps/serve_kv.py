@@ -3,9 +3,10 @@ folder under their content hash, and the request fields that have vLLM's KV conn
 running in vLLM's processes) put them into the cache slots of N placeholder ids in front of the text.
 
 vLLM places a prompt's tokens at positions 0..L-1, so the text can only start right after the N placeholders:
-adapters whose `kv_text_start` is not N are refused. The connector marks each request it served; the front checks
-the mark, so a vLLM started without the connector is a 502, never an answer computed from the placeholders; where
-the connector refused the KV prompt (it doesn't fit the engine's model), the 502 gives the connector's reason.
+adapters whose `kv_text_start` is past N are folded first (`serve_kv_fit.py`). The connector marks each request it
+served; the front checks the mark, so a vLLM started without the connector is a 502, never an answer computed from
+the placeholders; where the connector refused the KV prompt (it doesn't fit the engine's model), the 502 gives the
+connector's reason.
 """
 
 from __future__ import annotations
@@ -38,17 +39,6 @@ def refusal(name: str, folder: str) -> str:
         "connector. Start the front with --kv-share DIR and vLLM with the --kv-transfer-config the front prints for "
         "that folder (docs/serving.md, 'KV prompts')."
     )
-
-
-def check_servable(name: str, folder: str, config: dict) -> None:
-    n, start = config.get("num_virtual_tokens"), config.get("kv_text_start")
-    if start not in (None, n):
-        raise FrontError(
-            400,
-            f"adapter {name!r} ({folder}) starts its text at position kv_text_start={start}, not N={n}: vLLM places "
-            "a prompt's tokens at 0..L-1, so it can only serve text right after the N positions. Serve it with the "
-            "library's `generate`.",
-        )
 
 
 def fields(digest: str, positions: int, placeholder: int, ids: list[int]) -> dict:
