@@ -9,7 +9,7 @@ import pytest
 import serve_bodies
 from hypothesis import HealthCheck, given, settings
 
-from peft_softprompt_plus.apps.serve_requests import FIELDS, NEUTRAL, FrontError, Limits, parse
+from peft_softprompt_plus.apps.serve_requests import FIELDS, FRONT_SETS, NEUTRAL, FrontError, Limits, parse
 
 MODELS = ["base", "plain"]
 
@@ -74,6 +74,22 @@ def test_every_valid_chat_body_is_taken_with_its_text_parts_joined(body):
 def test_refusals_name_the_field_and_the_fix(route, body, words):
     with pytest.raises(FrontError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         parse(route, body, Limits())
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("kv_transfer_params", {"softprompt_plus_kv": "0" * 32}),
+        ("cache_salt", "another-tenant"),
+        ("prompt_embeds", "A"),
+    ],
+)
+def test_fields_the_front_sets_itself_are_refused_from_clients_by_name(route, name, value):
+    with pytest.raises(FrontError, match=f"`{name}` is not accepted from clients: ") as caught:
+        parse(route, {**REQUIRED[route], name: value}, Limits())
+    assert caught.value.status == 400
+    assert name in FRONT_SETS and FRONT_SETS[name] in str(caught.value)
 
 
 def test_null_fields_and_neutral_openai_fields_are_taken_as_not_set():

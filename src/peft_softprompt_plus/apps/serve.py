@@ -23,10 +23,12 @@ import uuid
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from .serve_front import Front
 from .serve_kv import check_served
+from .serve_ops import RETRY_AFTER_S, Ops, Ticket
 from .serve_replies import as_chat, as_chat_chunk, merged
 from .serve_requests import LOOPBACK_HOSTS, FrontError, parse
 from .serve_upstream import Upstream, log
@@ -43,6 +45,7 @@ def build_app(
     """The ASGI app. `allowed_hosts`: the names a request's Host header may carry (None: any), so a web page can't
     reach a loopback front through DNS rebinding."""
     engine = Upstream(upstream, upstream_model)
+    ops = Ops(front, engine, upstream_model)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -55,13 +58,25 @@ def build_app(
 
     @app.exception_handler(FrontError)
     async def _refused(request: Request, err: FrontError):
-        return _error(err.status, str(err))
+        response = _error(err.status, str(err))
+        if err.status == 429:
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     @app.exception_handler(Exception)
     async def _failed(request: Request, err: Exception):
         ticket = uuid.uuid4().hex[:12]
         log.error("request %s failed", ticket, exc_info=err)
         return _error(500, f"internal error {ticket}: the front's log has the details.", "server_error")
+
+    @app.get("/health")
+    async def health():
+        status, report = await ops.health()
+        return JSONResponse(report, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(ops.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -91,6 +106,7 @@ def build_app(
     async def delete_adapter(name: str):
         _updates_allowed()
         await asyncio.to_thread(front.remove, name)
+        ops.forget(name)
         return {"id": name, "deleted": True}
 
     @app.post("/v1/completions")
@@ -102,32 +118,50 @@ def build_app(
         return await _answer("chat", request)
 
     async def _answer(route: str, request: Request):
+        ticket = Ticket(route)  # counted, and its place in flight freed, however it ends (serve_ops.py)
+        try:
+            return await _served(ticket, request)
+        except FrontError as err:
+            ops.finish(ticket, err.status)
+            raise
+        except BaseException:
+            ops.finish(ticket, 500)
+            raise
+
+    async def _served(ticket: Ticket, request: Request):
         body = await _body(request, front.limits.max_body_bytes)
-        call = await asyncio.to_thread(parse, route, body, front.limits)
+        ticket.model = body.get("model")
+        call = await asyncio.to_thread(parse, ticket.route, body, front.limits)
+        ops.admit(ticket, call)
         room = await engine.max_model_len()
         adapter, payloads = await asyncio.to_thread(front.bodies, call, upstream_model, room)
+        ops.hold(ticket, adapter)
         kv = adapter.kv if adapter is not None else None
-        chat = route == "chat"
+        chat = ticket.route == "chat"
         if call.stream:
             if kv is not None and kv not in front.verified:  # a stream can't be taken back: check the engine first
                 check_served(await engine.post(_one_token(payloads[0])), kv)
                 front.verified.add(kv)
             response = await engine.open_stream(payloads[0])  # an error here is still an HTTP status
-            return StreamingResponse(
-                _relay(response, call.model, chat, call.top_logprobs), media_type="text/event-stream"
-            )
+            return _Stream(_relay(response, call.model, chat, call.top_logprobs, ticket), response, ops, ticket)
         answers = [check_served(a, kv) for a in await asyncio.gather(*(engine.post(p) for p in payloads))]
+        if kv is not None:
+            front.verified.add(kv)
         answer = merged(answers, call.n)
+        ticket.usage = answer.get("usage")
+        ops.finish(ticket, 200)
         return as_chat(answer, call.model, call.top_logprobs) if chat else {**answer, "model": call.model}
 
-    async def _relay(response, name: str, chat: bool, top: Optional[int]):
+    async def _relay(response, name: str, chat: bool, top: Optional[int], ticket: Ticket):
         first = True
         try:
             async for chunk in engine.chunks(response):
+                ticket.usage = chunk.get("usage") or ticket.usage  # sent when the client asks (`include_usage`)
                 yield _sse(as_chat_chunk(chunk, name, first, top) if chat else {**chunk, "model": name})
                 first = False
             yield "data: [DONE]\n\n"
         except FrontError as err:  # mid-stream: the status line is sent, so an OpenAI-style error event
+            ops.finish(ticket, err.status)
             yield _sse({"error": {"message": str(err), "type": "server_error", "code": err.status}})
 
     return app
@@ -159,6 +193,22 @@ async def _body(request: Request, limit: int) -> dict:
     if not isinstance(body, dict):
         raise FrontError(400, f"the request body must be a JSON object, got {type(body).__name__}.")
     return body
+
+
+class _Stream(StreamingResponse):
+    """A relayed stream whose request is finished (`Ops.finish`) and upstream response closed once it ends, also where
+    its body never started (the client gone first)."""
+
+    def __init__(self, content, upstream, ops: Ops, ticket: Ticket):
+        super().__init__(content, media_type="text/event-stream")
+        self.upstream, self.ops, self.ticket = upstream, ops, ticket
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ops.finish(self.ticket, 200)  # nothing, where an error event finished it
+            await self.upstream.aclose()
 
 
 class _Gate:

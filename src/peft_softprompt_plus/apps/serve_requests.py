@@ -32,6 +32,11 @@ class Limits:
     default_max_tokens: int = field(
         default=512, metadata={"help": "`max_tokens` of a Chat request that sets none (Completions: 16, as OpenAI)."}
     )
+    max_in_flight: int = field(default=256, metadata={"help": "Most requests in flight at once (429 above)."})
+    max_tokens_in_flight: int = field(
+        default=1 << 20,  # the largest one request may ask under the defaults above: 32 prompts x n=8 x 4096 tokens
+        metadata={"help": "Most tokens asked in flight: prompts x n x max_tokens summed over requests (429 above)."},
+    )
 
     def __post_init__(self):
         for f in fields(self):
@@ -203,6 +208,12 @@ NEUTRAL = {
     "tools": ([],),
     "parallel_tool_calls": (True, False),
 }
+# vLLM fields the front sets itself: a client's would reach past its checks (another tenant's KV prompt or cache).
+FRONT_SETS = {
+    "prompt_embeds": "send text; the front builds them.",
+    "kv_transfer_params": "the front names a KV adapter's keys/values itself: send the adapter's name as `model`.",
+    "cache_salt": "the front salts each adapter's requests with its own content hash (tenants never share blocks).",
+}
 _BUILT_HERE = ("model", "prompt", "messages", "max_completion_tokens", "logprobs", "top_logprobs", "max_tokens")
 
 
@@ -225,8 +236,8 @@ def parse(route: str, body: Any, limits: Limits) -> Call:
             checked[name] = table[name](name, value, limits)
         elif name in NEUTRAL and value in NEUTRAL[name]:
             continue
-        elif name == "prompt_embeds":
-            raise FrontError(400, "`prompt_embeds` is not accepted from clients: send text; the front builds them.")
+        elif name in FRONT_SETS:
+            raise FrontError(400, f"`{name}` is not accepted from clients: {FRONT_SETS[name]}")
         else:
             raise FrontError(
                 400, f"`{name}` is not a field this front takes on /v1/{_path(route)}; it takes {sorted(table)}."

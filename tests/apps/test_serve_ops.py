@@ -1,0 +1,302 @@
+"""What an operator reads and bounds on `softprompt-plus serve` (apps/serve_ops.py, apps/serve_share.py), against fake
+vLLMs on loopback: `/health`, `/metrics`, the limits on the work in flight (a bounded burst: every request answered,
+200 or 429), the KV share's files (re-hashed, group-readable, removed once unused) and the fields a client can't set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import stat
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from fastapi import FastAPI, Request
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file, save_file
+from test_serve import UPSTREAM_MODEL, _adapter, _free_port, _Server, fake_vllm
+
+from peft_softprompt_plus._names import VLLM_KV_PARAM, VLLM_KV_SERVED, VLLM_KV_TENSOR
+from peft_softprompt_plus.apps.serve import build_app
+from peft_softprompt_plus.apps.serve_front import Front
+from peft_softprompt_plus.apps.serve_share import FILE_MODE
+from peft_softprompt_plus.apps.tiny import save_tiny
+from peft_softprompt_plus.files.inspect_adapter import read_adapter
+
+WAIT_S = 20  # the most any wait here takes before the test fails
+
+
+def gated_vllm(gate: threading.Event, seen: list) -> FastAPI:
+    """A vLLM stand-in that holds every completion until `gate` is set, then answers it, marking a KV request served
+    as the connector would."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": UPSTREAM_MODEL, "max_model_len": 100}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        seen.append(body)
+        deadline = time.time() + WAIT_S
+        while not gate.is_set() and time.time() < deadline:
+            await asyncio.sleep(0.01)
+        n = body.get("n", 1)
+        answer = {
+            "id": "cmpl-1",
+            "choices": [{"index": c, "text": "hi", "finish_reason": "length"} for c in range(n)],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2 * n, "total_tokens": 3 + 2 * n},
+        }
+        if "kv_transfer_params" in body:
+            answer["kv_transfer_params"] = {VLLM_KV_SERVED: body["kv_transfer_params"][VLLM_KV_PARAM]}
+        return answer
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory):
+    """One front (an input adapter, two KV adapters' folders, a share) behind three apps: in front of a vLLM stand-in
+    that answers at once, one that runs the KV connector on the share, and one that holds requests (`gate`)."""
+    root = tmp_path_factory.mktemp("serve-ops")
+    base = save_tiny(str(root / "tiny-base"))
+    share = root / "share"
+    share.mkdir()
+    folders = {name: _adapter(base, str(root / name), seed, prompt_level=level) for name, seed, level in FOLDERS}
+    front = Front(base, kv_share=str(share))
+    front.add("plain", folders["plain"])
+    gate, seen = threading.Event(), []
+    upstreams = {
+        "plain": _Server(fake_vllm([])),
+        "kv": _Server(fake_vllm([], kv_share=str(share))),
+        "gated": _Server(gated_vllm(gate, seen)),
+    }
+    fronts = {
+        k: _Server(build_app(front, u.url, UPSTREAM_MODEL, allow_adapter_updates=True)) for k, u in upstreams.items()
+    }
+    yield {
+        "front": front,
+        "share": share,
+        "folders": folders,
+        "gate": gate,
+        "seen": seen,
+        "url": {k: f.url for k, f in fronts.items()},
+        "upstream": {k: u.url for k, u in upstreams.items()},
+    }
+    gate.set()
+    for server in (*fronts.values(), *upstreams.values()):
+        server.stop()
+
+
+FOLDERS = [("plain", 1, "input"), ("kv-a", 2, "kv"), ("kv-b", 3, "kv")]
+
+
+def _post(url: str, body: dict, route: str = "completions") -> httpx.Response:
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    return httpx.post(url + path, json=body, timeout=WAIT_S)
+
+
+def _samples(url: str) -> dict:
+    """`/metrics` as {(sample name, sorted labels): value}."""
+    answer = httpx.get(url + "/metrics", timeout=WAIT_S)
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(answer.text)
+        for s in family.samples
+    }
+
+
+def _value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _wait_for(condition) -> None:
+    deadline = time.time() + WAIT_S
+    while not condition() and time.time() < deadline:
+        time.sleep(0.01)
+    assert condition()
+
+
+def test_health_says_what_it_checked_and_is_503_when_requests_can_t_be_served(ops):
+    front, url = ops["front"], ops["url"]
+    answer = httpx.get(url["plain"] + "/health", timeout=WAIT_S)
+    assert answer.status_code == 200 and answer.json()["status"] == "ok"
+    checks = answer.json()["checks"]
+    assert checks["engine"]["ok"] and checks["kv"] == {"ok": True, "detail": "no KV adapter is loaded."}
+    down = _Server(build_app(front, f"http://127.0.0.1:{_free_port()}", UPSTREAM_MODEL))
+    other = _Server(build_app(front, ops["upstream"]["plain"], "another-model"))
+    try:
+        answer = httpx.get(down.url + "/health", timeout=WAIT_S)
+        assert answer.status_code == 503 and answer.json()["status"] == "unavailable"
+        assert "can't be reached" in answer.json()["checks"]["engine"]["detail"]
+        assert answer.json()["checks"]["kv"]["ok"] is False
+        answer = httpx.get(other.url + "/health", timeout=WAIT_S)
+        assert answer.status_code == 503 and "does not serve the model" in answer.json()["checks"]["engine"]["detail"]
+    finally:
+        down.stop()
+        other.stop()
+    adapter = front.add("kv-a", ops["folders"]["kv-a"])
+    try:
+        front.verified.clear()
+        blind = httpx.get(url["plain"] + "/health", timeout=WAIT_S)  # a vLLM without the connector
+        assert blind.status_code == 503 and "did not apply the KV prompt" in blind.json()["checks"]["kv"]["detail"]
+        applied = httpx.get(url["kv"] + "/health", timeout=WAIT_S)  # one KV prompt sent for one token, and applied
+        assert applied.status_code == 200 and "applies KV prompts (1 KV adapters)" in applied.text
+        assert front.verified == {adapter.kv}
+        os.remove(ops["share"] / f"{adapter.kv}.safetensors")
+        gone = httpx.get(url["kv"] + "/health", timeout=WAIT_S)
+        assert gone.status_code == 503 and "1 KV prompt files are missing" in gone.json()["checks"]["kv"]["detail"]
+    finally:
+        front.remove("kv-a")
+
+
+def test_metrics_count_requests_errors_latency_and_tokens_by_served_adapter_only(ops):
+    url, front = ops["url"]["plain"], ops["front"]
+    front.add("spare", ops["folders"]["plain"])
+    for _ in range(3):
+        assert _post(url, {"model": "plain", "prompt": "a b", "max_tokens": 2, "n": 2}).status_code == 200
+    assert _post(url, {"model": "plain", "prompt": "a", "max_tokens": "x"}).status_code == 400
+    assert _post(url, {"model": "tiny-base", "prompt": "a", "max_tokens": 2}).status_code == 200
+    assert _post(url, {"model": "spare", "prompt": "a", "max_tokens": 2}).status_code == 200
+    for name in ("no-such-adapter-1", "no-such-adapter-2"):
+        assert _post(url, {"model": name, "prompt": "a"}).status_code == 404
+    streamed = httpx.post(url + "/v1/completions", json={"model": "plain", "prompt": "a", "stream": True}, timeout=9)
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+    got = _samples(url)
+    assert _value(got, "softprompt_plus_requests_total", adapter="plain", route="completions") == 5
+    assert _value(got, "softprompt_plus_request_errors_total", adapter="plain", route="completions", code="400") == 1
+    assert _value(got, "softprompt_plus_request_seconds_count", adapter="plain", route="completions") == 5
+    assert _value(got, "softprompt_plus_tokens_total", adapter="plain", kind="completion") == 3 * 2 * 2
+    assert _value(got, "softprompt_plus_tokens_total", adapter="plain", kind="prompt") == 3 * 3
+    assert _value(got, "softprompt_plus_requests_total", adapter="tiny-base", route="completions") == 1
+    assert _value(got, "softprompt_plus_request_errors_total", adapter="unknown", route="completions", code="404") == 2
+    assert _value(got, "softprompt_plus_requests_in_flight") == 0
+    assert _value(got, "softprompt_plus_tokens_in_flight") == 0
+    assert _value(got, "process_cpu_seconds_total") > 0
+    labels = {dict(labels).get("adapter") for _, labels in got} - {None}
+    assert labels == {"plain", "spare", "tiny-base", "unknown"}  # no label set for a name nothing serves
+    assert httpx.delete(url + "/v1/adapters/spare", timeout=WAIT_S).status_code == 200
+    assert _post(url, {"model": "spare", "prompt": "a"}).status_code == 404
+    got = _samples(url)
+    assert "spare" not in {dict(labels).get("adapter") for _, labels in got}  # its series went with it
+    assert _value(got, "softprompt_plus_request_errors_total", adapter="unknown", route="completions", code="404") == 3
+
+
+def test_a_burst_past_max_in_flight_is_answered_200_or_429_with_retry_after_and_none_is_lost(ops):
+    front, gate, url = ops["front"], ops["gate"], ops["url"]["gated"]
+    before = _samples(url)
+    front.limits = dataclasses.replace(front.limits, max_in_flight=4)
+    gate.clear()
+    try:
+
+        async def burst(count: int) -> list:
+            async with httpx.AsyncClient(base_url=url, timeout=WAIT_S) as client:
+                body = {"model": "plain", "prompt": "a", "max_tokens": 2}
+                tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(count)]
+                deadline = time.time() + WAIT_S
+                while sum(t.done() for t in tasks) < count - 4 and time.time() < deadline:
+                    await asyncio.sleep(0.01)
+                early = [t.result() for t in tasks if t.done()]  # refused while 4 are held upstream
+                gate.set()
+                return early, await asyncio.gather(*tasks)
+
+        early, answers = asyncio.run(burst(16))
+    finally:
+        front.limits = dataclasses.replace(front.limits, max_in_flight=256)
+        gate.set()
+    assert len(early) == 12 and {a.status_code for a in early} == {429}
+    assert all(a.headers["retry-after"] == "1" and "--max-in-flight" in a.text for a in early)
+    assert sorted(a.status_code for a in answers) == [200] * 4 + [429] * 12  # every request answered
+    assert _post(url, {"model": "plain", "prompt": "a", "max_tokens": 2}).status_code == 200  # and still serving
+    after = _samples(url)
+    counted = ("softprompt_plus_requests_total", "softprompt_plus_request_errors_total")
+    total, refused = (
+        _value(after, n, adapter="plain", route="completions", **c)
+        - _value(before, n, adapter="plain", route="completions", **c)
+        for n, c in zip(counted, ({}, {"code": "429"}), strict=True)
+    )
+    assert (total, refused) == (17, 12) and _value(after, "softprompt_plus_requests_in_flight") == 0
+
+
+def test_tokens_in_flight_are_bounded_by_prompts_x_n_x_max_tokens(ops):
+    front, gate, seen, url = ops["front"], ops["gate"], ops["seen"], ops["url"]["gated"]
+    front.limits = dataclasses.replace(front.limits, max_tokens_in_flight=100)
+    gate.clear()
+    seen.clear()
+    held = {}
+    try:
+        worker = threading.Thread(
+            target=lambda: held.update(a=_post(url, {"model": "plain", "prompt": "a", "n": 2, "max_tokens": 40}))
+        )
+        worker.start()  # 2 x 40 = 80 tokens in flight
+        _wait_for(lambda: len(seen) == 1)
+        past = _post(url, {"model": "plain", "prompt": "a", "max_tokens": 30})  # 80 + 30 > 100
+        assert past.status_code == 429 and past.headers["retry-after"] == "1"
+        assert "ask for 80 tokens; with this one's 30" in past.json()["error"]["message"]
+        never = _post(url, {"model": "plain", "prompt": ["a", "b"], "n": 2, "max_tokens": 30})  # 120 alone
+        assert never.status_code == 400 and "--max-tokens-in-flight" in never.json()["error"]["message"]
+        chat = _post(url, {"model": "plain", "messages": [{"role": "user", "content": "a"}]}, "chat")  # 512 by default
+        assert chat.status_code == 400 and "asks for 512 tokens" in chat.json()["error"]["message"]
+        gate.set()
+        worker.join(WAIT_S)
+        assert held["a"].status_code == 200
+        assert _post(url, {"model": "plain", "prompt": "a", "max_tokens": 30}).status_code == 200
+    finally:
+        front.limits = dataclasses.replace(front.limits, max_tokens_in_flight=1 << 20)
+        gate.set()
+
+
+def test_share_files_are_rehashed_group_readable_and_removed_once_nothing_reads_them(ops):
+    from test_serve import _saved_hash
+
+    front, share, folders, gate, seen = ops["front"], ops["share"], ops["folders"], ops["gate"], ops["seen"]
+    # A planted file under kv-a's name, and a torn one under kv-b's: both replaced by what the adapters hold.
+    digests = {name: _saved_hash(folders[name]) for name in ("kv-a", "kv-b")}
+    right = {name: read_adapter(folders[name])[1] for name in digests}
+    save_file({VLLM_KV_TENSOR: torch.zeros_like(right["kv-a"])}, str(share / f"{digests['kv-a']}.safetensors"))
+    (share / f"{digests['kv-b']}.safetensors").write_bytes(b"not a safetensors file")
+    for name, digest in digests.items():
+        assert front.add(name, folders[name]).kv == digest
+        path = share / f"{digest}.safetensors"
+        assert torch.equal(load_file(str(path))[VLLM_KV_TENSOR], right[name])
+        assert stat.S_IMODE(path.stat().st_mode) == FILE_MODE == 0o640  # vLLM as another user of the group reads it
+    assert sorted(p.name for p in share.iterdir()) == sorted(f"{d}.safetensors" for d in digests.values())
+    # Replaced: kv-b now serves kv-a's prompt, and kv-b's old file goes.
+    url = ops["url"]["gated"]
+    assert httpx.put(url + "/v1/adapters/kv-b", json={"path": folders["kv-a"]}, timeout=WAIT_S).status_code == 200
+    assert not (share / f"{digests['kv-b']}.safetensors").exists()
+    assert httpx.delete(url + "/v1/adapters/kv-b", timeout=WAIT_S).status_code == 200
+    # Removed while a request reads it: the file stays until that request is answered.
+    gate.clear()
+    seen.clear()
+    held = {}
+    try:
+        worker = threading.Thread(target=lambda: held.update(a=_post(url, {"model": "kv-a", "prompt": "the cat"})))
+        worker.start()
+        _wait_for(lambda: len(seen) == 1)
+        assert httpx.delete(url + "/v1/adapters/kv-a", timeout=WAIT_S).status_code == 200
+        assert (share / f"{digests['kv-a']}.safetensors").exists()
+        gate.set()
+        worker.join(WAIT_S)
+    finally:
+        gate.set()
+    assert held["a"].status_code == 200 and seen[0]["kv_transfer_params"] == {VLLM_KV_PARAM: digests["kv-a"]}
+    assert list(share.iterdir()) == []
+    assert front.share.hold(digests["kv-a"]) is False  # a request that resolved it just before: refused, not sent
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("name, value", [("kv_transfer_params", {VLLM_KV_PARAM: "0" * 32}), ("cache_salt", "x")])
+def test_a_client_s_kv_transfer_params_or_cache_salt_is_refused_by_name(ops, route, name, value):
+    body = {"model": "plain", "prompt": "a"} if route == "completions" else {"model": "plain", "messages": []}
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": "a"}]
+    answer = _post(ops["url"]["plain"], {**body, name: value}, route)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"].startswith(f"`{name}` is not accepted from clients: ")
