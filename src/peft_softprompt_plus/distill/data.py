@@ -217,10 +217,9 @@ def kept_ids(tokenizer, prepared, keep_text, in_system_turn: bool) -> list[int]:
 
 
 def kept_positions(tokenizer, prepared: Prepared, keep_text) -> tuple[list[int], list[int]]:
-    """What a KV student keeps of the teacher's system turn (`prepared.prefix_ids`) as its own keys/values: the
-    positions whose tokens overlap a passage of `keep_text` (spacing aside), and those of the template's own text
-    around the system prompt (its header and end of turn; plain mode: the separator), as the input student's kept
-    text is a system turn of its own. Each sorted."""
+    """What a KV student keeps of the teacher's system turn (`prepared.prefix_ids`) as its own keys/values, sorted:
+    the positions whose tokens overlap a passage of `keep_text` (spacing aside), and the template's own around the
+    system prompt (header and end of turn; plain: the separator), as an input student's kept text is a turn."""
     text = FORMATS[prepared.mode].prefix(tokenizer, prepared.system_prompt)
     try:
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
