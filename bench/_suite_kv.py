@@ -90,13 +90,13 @@ VARIANTS = {
 }
 
 
-def copied_kv_scorer(path: str):
+def copied_kv_scorer(path: str, n: int = q.N):
     """PEFT's `[N, layers*2*Hkv*hd]` table, copied into this library's KV adapter on a second copy of the base: on
     unpadded rows both read the N positions' keys/values and the text at positions N.. exactly."""
     evaluator = get_peft_model(
         AutoModelForCausalLM.from_pretrained(path).eval(),
         SoftPromptPlusConfig(
-            task_type="CAUSAL_LM", num_virtual_tokens=q.N, prompt_level="kv", kv_frozen_positions=0,
+            task_type="CAUSAL_LM", num_virtual_tokens=n, prompt_level="kv", kv_frozen_positions=0,
             validate_gradients="off",
         ),
     )  # fmt: skip

@@ -21,6 +21,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import _suite_ct as ct  # noqa: E402
 import _suite_kv as kv  # noqa: E402
 import bench_quality as q  # noqa: E402
 import torch  # noqa: E402
@@ -91,23 +92,35 @@ def _variant(name: str, task: str) -> q.Variant:
 def run_one(spec: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...], path: str, lr=None) -> dict:
     """One arm on one task; `spec` is a task name, `name:chat` for its chat form; `lr` a KV arm's (None: its own)."""
     task, _, form_name = spec.partition(":")
-    variant, copied = kv.variant(name, task, lr) if name in kv.VARIANTS else (_variant(name, task), False)
+    arm = ct.parse(name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     form = suite.form_of(form_name or "plain", tokenizer)
     split = suite.load_task(task)
+    prefix, train_split, n = None, split, q.N
+    if arm is not None:  # a context-tuning arm (_suite_ct.py): its demonstrations, what it trains on
+        pairs, texts = ct.demonstrations(split, arm, seed, form)
+        prefix = capitals.few_shot_prefix(pairs, form) if arm.kind == "hard-demos" else None
+        build = None if arm.kind == "hard-demos" else ct.build(arm, texts)
+        variant, copied = q.Variant(name, build, lr=ct.CT_LR if lr is None else lr), arm.kind != "ct"
+        train_split = ct.train_split(split, arm, pairs)
+        n = arm.n or len(tokenizer("".join(texts), add_special_tokens=False)["input_ids"])
+    elif name in kv.VARIANTS:
+        variant, copied = kv.variant(name, task, lr)
+    else:
+        variant, copied = _variant(name, task), False
     base = AutoModelForCausalLM.from_pretrained(path).eval()
     torch.manual_seed(seed)
     tag = name if lr is None else f"{name}-lr{lr:g}"  # a swept learning rate is its own arm in the report
     record = {"task": spec, "variant": tag, "lr": variant.lr, "seed": seed, "threads": torch.get_num_threads()}
     start = time.perf_counter()
     if variant.build is None:
-        prefix = _shots(split, seed, variant.shots, form)
+        prefix = prefix if prefix is not None else _shots(split, seed, variant.shots, form)
         items = capitals.matches(base, tokenizer, split.held_out, prefix, form=form)
         record.update(steps=[0], cpu=[0.0], items=[items], validation=[None])
     else:
         model = variant.build(base, seed, tokenizer, split)
         exact = q._copied_prompt_scorer(path, tokenizer, split) if variant.peft_prompt else (lambda m: m)
-        exact = kv.copied_kv_scorer(path) if copied else exact
+        exact = kv.copied_kv_scorer(path, n) if copied else exact
         items, validation = [], []
 
         def score(m) -> float:
@@ -115,7 +128,10 @@ def run_one(spec: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...
             validation.append(capitals.exact_match(exact(m), tokenizer, split.validation, form=form))
             return sum(items[-1]) / len(items[-1])
 
-        curve = capitals.tune(model, tokenizer, split, steps, q.BATCH, variant.lr, seed, eval_at, score, form=form)
+        if arm is not None and arm.kind == "ct":
+            record["matched"] = ct.matched(model, tokenizer, train_split, form)  # rows leave-one-out recognises
+        batch = min(q.BATCH, len(train_split.train))
+        curve = capitals.tune(model, tokenizer, train_split, steps, batch, variant.lr, seed, eval_at, score, form=form)
         scored = [i for i, s in enumerate(curve.score) if s is not None]
         record.update(
             steps=[curve.steps[i] for i in scored],
