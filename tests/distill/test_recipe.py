@@ -111,7 +111,7 @@ def test_each_option_reaches_the_training_loop(tok, chat_dir, monkeypatch, level
     optimizers = _spy_optimizers(monkeypatch)
     trained_kl, kls = _spy(monkeypatch, score, "weighted_kl"), _spy(monkeypatch, score, "token_kl")
     written = {how: _spy(monkeypatch, teacher, how) for how in ("self_study_turns", "sample_turns")}
-    chosen = _spy(monkeypatch, kv_start, "selected")
+    chosen = _spy(monkeypatch, kv_start, "chosen")
     model = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, prompt_level=level, sampled_turns=6, **KW,
                     **given)  # fmt: skip
     (optimizer,) = optimizers
@@ -130,7 +130,7 @@ def test_each_option_reaches_the_training_loop(tok, chat_dir, monkeypatch, level
     assert model.distill_report.samples.self_study is want["self_study"]
     if want["prompt_init"] == "selected":
         (call,) = chosen
-        assert call["n"] == 4 and call["frozen"] == sink
+        assert call["n"] == 4 and call["forced"] == list(range(sink))  # the sink, and no kept passage
     else:
         assert chosen == [] and config.kv_text_start == (4 if level == "kv" else None)
     assert config.prompt_level == level and config.kv_frozen_positions == want["kv_frozen_positions"]
