@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -19,17 +20,35 @@ KEY = "bench-key"
 
 
 @contextlib.contextmanager
-def vllm_server(path: str, port: int, out: str, *flags: str):
-    """vLLM's OpenAI server on `port`, its log in `out`; stopped on exit."""
+def vllm_server(path: str, port: int, out: str, *flags: str, env: dict = None, seconds: int = 600):
+    """vLLM's OpenAI server on `port`, its log in `out`, `env` added to this process's; stopped on exit (its
+    workers with it: they are in its process group)."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port)]
     log = open(os.path.join(out, f"vllm_server_{port}.log"), "w")
-    process = subprocess.Popen([*command, *SERVER_FLAGS, *flags], stdout=subprocess.DEVNULL, stderr=log)
+    process = subprocess.Popen(
+        [*command, *SERVER_FLAGS, *flags],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     try:
-        wait(f"http://127.0.0.1:{port}/v1/models", process)
+        wait(f"http://127.0.0.1:{port}/v1/models", process, seconds)
         yield f"http://127.0.0.1:{port}"
     finally:
-        process.terminate()
+        _stop(process)
+
+
+def _stop(process) -> None:
+    """SIGTERM to the server's process group (its engine and workers), then SIGKILL to what is left after 60 s."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
         process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+    except ProcessLookupError:
+        pass
 
 
 @contextlib.contextmanager

