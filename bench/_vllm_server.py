@@ -27,8 +27,8 @@ def vllm_server(path: str, port: int, out: str, *flags: str, env: dict = None, s
     log = open(os.path.join(out, f"vllm_server_{port}.log"), "w")
     process = subprocess.Popen(
         [*command, *SERVER_FLAGS, *flags],
-        stdout=subprocess.DEVNULL,
-        stderr=log,
+        stdout=log,  # its engine's settings and request lines
+        stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
         start_new_session=True,
     )

@@ -12,6 +12,7 @@ prefix cache (each KV adapter spans at least one full block, alone or in the com
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import urllib.request
@@ -228,8 +229,9 @@ def _engine_counters(upstream: str) -> dict:
 
 
 def _status(url: str) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {KEY}"})
     try:
-        with urllib.request.urlopen(url, timeout=60) as answer:
+        with urllib.request.urlopen(request, timeout=60) as answer:
             return answer.status
     except urllib.error.HTTPError as err:
         return err.code
@@ -257,6 +259,7 @@ def check(out: str, layouts: tuple[str, ...] = tuple(LAYOUTS)) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path, folders = build(out)
     wanted, facts = references(path, folders)
+    wanted[os.path.basename(path)] = wanted.pop("base")  # the front serves the base by its folder's name
     tokenizer = AutoTokenizer.from_pretrained(path)
     report = {"adapters": facts}
     compose = f"{COMPOSE[0]}={','.join(COMPOSE[1])}"
@@ -273,11 +276,20 @@ def check(out: str, layouts: tuple[str, ...] = tuple(LAYOUTS)) -> dict:
                 front(path, 8131 + k, upstream, folders, out, "--kv-share", share, "--compose", compose) as url,
             ):
                 started = round(time.perf_counter() - start, 1)
-                report[layout] = {"engine_start_s": started, **serve_check(url, upstream, wanted, tokenizer)}
+                engine = _engine_layout(os.path.join(out, f"vllm_server_{8031 + k}.log"))
+                report[layout] = {"engine": engine, "engine_start_s": started}
+                report[layout].update(serve_check(url, upstream, wanted, tokenizer))
         except (RuntimeError, TimeoutError) as err:  # the engine refused the layout: its log says why
             report[layout] = {"failed": str(err), "log_tail": _tail(os.path.join(out, f"vllm_server_{8031 + k}.log"))}
         report[layout]["wall_s"] = round(time.perf_counter() - start, 1)
     return report
+
+
+def _engine_layout(log: str) -> dict:
+    """The parallel sizes vLLM's engine reports at start, read from its log."""
+    with open(log) as handle:
+        text = handle.read()
+    return {f"{k}_parallel_size": int(v) for k, v in re.findall(r"\b(tensor|pipeline)_parallel_size=(\d+)", text)}
 
 
 def _tail(log: str, lines: int = 12) -> list[str]:
