@@ -22,6 +22,12 @@ UPSTREAM_FLAGS = "--enable-prompt-embeds --dtype float32"
 # front sends the sequence transformers reads (already scaled). A version not measured is treated as the newest
 # measured one, with a warning.
 ENGINE_SCALES_EMBEDDINGS = {"0.32": False}
+# vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, uvicorn's timeout_keep_alive), and
+# httpx keeps one for 5 s: a request sent on a connection as vLLM closes it fails with a ReadError, never having
+# reached vLLM (1 of 108 replies, a 502, in `bench/vllm_check.py --parts tp` at PP=2). Idle connections are dropped
+# well before vLLM drops them.
+ENGINE_KEEP_ALIVE_S = 5.0
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 def engine_scales(version: Optional[str]) -> bool:
@@ -46,7 +52,9 @@ class Upstream:
             httpx.AsyncClient(
                 base_url=self.url,
                 timeout=httpx.Timeout(600.0, connect=5.0),
-                limits=httpx.Limits(max_connections=64, max_keepalive_connections=4),
+                limits=httpx.Limits(
+                    max_connections=64, max_keepalive_connections=4, keepalive_expiry=KEEPALIVE_EXPIRY_S
+                ),
             )
             for _ in range(shards)
         ]
