@@ -9,7 +9,7 @@ import torch
 from _versions import checkpointing_on
 from peft import get_peft_model
 
-from peft_softprompt_plus import SoftPromptPlusConfig
+from peft_softprompt_plus import SoftPromptPlusConfig, check_gradient_flow
 from peft_softprompt_plus.apps.tiny import tiny_family, tiny_tokenizer
 from peft_softprompt_plus.distill import kv_start
 from peft_softprompt_plus.forward import kv_regularize
@@ -185,3 +185,14 @@ def test_the_trainer_hands_a_collator_s_demonstration_index_to_the_forward(tok, 
     )  # fmt: skip
     Trainer(model=model, args=args, train_dataset=rows, data_collator=collate).train()
     assert [sorted(t.tolist()) for t in seen if t is not None] == [[0, 1, 2]]  # the batch, shuffled
+
+
+def test_the_attach_probe_reads_every_position_despite_dropout(tok, tok_dir):
+    """The probe asks whether the gradient can reach each position; a dropped one would read as a dead position."""
+    config = SoftPromptPlusConfig(
+        prompt_level="kv", prompt_init="demonstrations", prompt_init_texts=DEMOS, num_virtual_tokens=None,
+        tokenizer_name_or_path=tok_dir, kv_position_dropout=0.9,
+    )  # fmt: skip
+    model = get_peft_model(tiny_family("llama", len(tok)), config)  # validate_gradients="raise"
+    report = check_gradient_flow(model)
+    assert report.ok, report

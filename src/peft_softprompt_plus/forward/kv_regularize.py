@@ -1,8 +1,8 @@
 """Per-row masks over KV prompt positions while training, context tuning's regularisers: leave-one-out (a row that is
 one of an adapter's demonstrations reads none of that demonstration's positions) and position dropout (each position
 dropped for each row with probability `kv_position_dropout`; frozen positions never are). Only while training (the
-model in training mode, gradients on): eval and `generate` read every position. Built once per forward into the
-`PromptKV` (`keep`), so a checkpointed layer's recomputation reads the same mask."""
+model in training mode, gradients on), never in the gradient probe: eval and `generate` read every position. Built
+once per forward into the `PromptKV` (`keep`), so a checkpointed layer's recomputation reads the same mask."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def row_keep(tuner, route: routing.Route, input_ids, attention_mask, demonstrati
     or no row's adapter regularises)."""
     device = tuner.model.get_input_embeddings().weight.device
     index = _indices(demonstration_index, batch, device)
-    if not (tuner.model.training and torch.is_grad_enabled()):
+    if not (tuner.model.training and torch.is_grad_enabled() and tuner.forward_state.regularizing):
         return None
     rows = route.rows.tolist() if route.rows is not None else [0] * batch  # -1: a row without a prompt
     keep, draws = None, None

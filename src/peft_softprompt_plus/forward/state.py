@@ -68,11 +68,13 @@ class ForwardState:
         # Per call, so threads calling one model at once never read each other's: context variables of this model's.
         self._call_adapter_names = contextvars.ContextVar(f"adapter_names_{id(self)}", default=None)
         self._last_kernels = contextvars.ContextVar(f"last_kernels_{id(self)}", default=frozenset())
+        self._regularizing = contextvars.ContextVar(f"regularizing_{id(self)}", default=True)
 
     def __getstate__(self) -> dict:
         # `torch.save(model)` and `copy.deepcopy(model)` take the state; a context variable can't be copied, and the
         # copy starts with no call in flight.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_call_adapter_names", "_last_kernels")}
+        per_call = ("_call_adapter_names", "_last_kernels", "_regularizing")
+        return {k: v for k, v in self.__dict__.items() if k not in per_call}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -159,6 +161,21 @@ class ForwardState:
     def last_kernels(self) -> frozenset:
         """Which attention the last forward of this thread ran (see `record_kernels`)."""
         return self._last_kernels.get()
+
+    @contextlib.contextmanager
+    def regularizers_off(self):
+        """The gradient probe asks whether the gradient can reach every prompt position: while it runs (this thread
+        only), a training forward reads every position, with no leave-one-out or position dropout."""
+        token = self._regularizing.set(False)
+        try:
+            yield
+        finally:
+            self._regularizing.reset(token)
+
+    @property
+    def regularizing(self) -> bool:
+        """Whether a training forward of this thread applies the KV regularisers (kv_regularize.py)."""
+        return self._regularizing.get()
 
     # ------------------------------------------------------------------ the one grad_disabled warning
 

@@ -142,6 +142,7 @@ def _undisturbed(model: nn.Module, grad_context):
     with contextlib.ExitStack() as held, torch.random.fork_rng(devices=_cuda_devices(model)), grad_context:
         for tuner in tuners_of(model):  # the report names `grad_disabled`; keep the one warning for later
             held.enter_context(tuner.forward_state.grad_warning_held())
+            held.enter_context(tuner.forward_state.regularizers_off())  # every position can get a gradient
         model.train()
         try:
             yield
