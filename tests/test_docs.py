@@ -180,7 +180,7 @@ def test_the_readme_holds_exactly_two_set_up_commands_and_ci_runs_the_second():
     readme = [b for b in ALL if b.page == "README.md" and b.lang == "bash"]
     assert [b.code.strip().split(" && ")[-1] for b in readme] == [
         "softprompt-plus demo",
-        'python -m pytest -q -m "slow or not slow" -n 2',
+        'python -m pytest -q -m "slow or not slow" -n 2 --dist loadgroup',
     ]
     assert "README.md" in (ROOT / ".ci" / "run").read_text()  # .ci/run takes its command from the README
 

@@ -9,6 +9,10 @@ import sys
 import pytest
 import torch
 
+# Multi-process launches run one at a time on one xdist worker (`--dist loadgroup`): with two at once, a DDP launch
+# ran past its 240 s limit in a clean-clone run on 2 cores.
+pytestmark = pytest.mark.xdist_group("distributed")
+
 WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_ddp_worker.py")
 TIMEOUT_S = 240
 

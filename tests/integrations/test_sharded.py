@@ -16,6 +16,10 @@ from peft import PeftModel
 
 from peft_softprompt_plus.apps.tiny import tiny_gpt2
 
+# Multi-process launches run one at a time on one xdist worker (`--dist loadgroup`): with two at once, a DDP launch
+# ran past its 240 s limit in a clean-clone run on 2 cores.
+pytestmark = pytest.mark.xdist_group("distributed")
+
 WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_sharded_worker.py")
 TIMEOUT_S = 240
 # Measured: 1.7e-7 (FSDP1, ZeRO-2/3) and 4.1e-8 (FSDP2) on the prompt, 2.1e-7 on the logits; the ranks' float32 sums
