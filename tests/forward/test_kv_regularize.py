@@ -10,23 +10,21 @@ from _versions import checkpointing_on
 from peft import get_peft_model
 
 from peft_softprompt_plus import SoftPromptPlusConfig, check_gradient_flow
-from peft_softprompt_plus.apps.tiny import tiny_family, tiny_tokenizer
+from peft_softprompt_plus.apps.tiny import tiny_family
 from peft_softprompt_plus.distill import kv_start
 from peft_softprompt_plus.forward import kv_regularize
 
 DEMOS = ["red green blue", "cat dog bird fish", "one two three"]
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("tok"))
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+@pytest.fixture
+def tok_dir(tiny_model_dir):  # conftest's tiny model folder holds the tiny tokenizer
+    return tiny_model_dir
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
+@pytest.fixture
+def tok(tokenizer):
+    return tokenizer
 
 
 def _demo_config(tok_dir, **kw):

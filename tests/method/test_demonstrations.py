@@ -7,7 +7,7 @@ import torch
 from peft import PeftModel, get_peft_model
 
 from peft_softprompt_plus import SoftPromptPlusConfig, pick_demonstrations
-from peft_softprompt_plus.apps.tiny import tiny_family, tiny_tokenizer
+from peft_softprompt_plus.apps.tiny import tiny_family
 from peft_softprompt_plus.files.inspect_adapter import inspect_adapter
 from peft_softprompt_plus.method import demonstrations
 
@@ -15,16 +15,14 @@ DEMOS = ["red green blue", "cat dog bird fish", "one two three"]
 ROW = "white black horse"
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("tok"))
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+@pytest.fixture
+def tok_dir(tiny_model_dir):  # conftest's tiny model folder holds the tiny tokenizer
+    return tiny_model_dir
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
+@pytest.fixture
+def tok(tokenizer):
+    return tokenizer
 
 
 def _config(tok_dir, **kw):

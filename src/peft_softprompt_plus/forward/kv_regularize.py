@@ -26,13 +26,20 @@ def _indices(demonstration_index, batch: int, device) -> Optional[torch.Tensor]:
     return index.long()
 
 
-def _matched(config, ids: Optional[torch.Tensor], mask: Optional[torch.Tensor], b: int) -> int:
-    """Which demonstration row `b`'s real ids are (-1: none, or no ids to compare)."""
+def _matched(own: dict, ids: Optional[torch.Tensor], mask: Optional[torch.Tensor], b: int) -> int:
+    """Which demonstration row `b`'s real ids are (`own`: ids -> index; -1: none, or no ids to compare)."""
     if ids is None:
         return -1
     real = ids[b] if mask is None else ids[b][mask[b].bool()]
-    own = {tuple(d): i for i, d in enumerate(config.demonstration_ids)}
     return own.get(tuple(real.tolist()), -1)
+
+
+def _regularising(tuner, entry) -> bool:
+    """Whether adapter `entry` masks anything while training (a single KV adapter with spans or dropout)."""
+    if isinstance(entry, tuple) or not tuner.is_kv(entry):
+        return False  # an input prompt or a composition: nothing to mask
+    config = tuner.peft_config[entry]
+    return bool((config.demonstration_spans and config.kv_leave_one_out) or config.kv_position_dropout)
 
 
 def row_keep(tuner, route: routing.Route, input_ids, attention_mask, demonstration_index, width: int, batch: int):
@@ -42,19 +49,22 @@ def row_keep(tuner, route: routing.Route, input_ids, attention_mask, demonstrati
     index = _indices(demonstration_index, batch, device)
     if not (tuner.model.training and torch.is_grad_enabled() and tuner.forward_state.regularizing):
         return None
+    regularising = {a for a, entry in enumerate(route.adapters) if _regularising(tuner, entry)}
+    if not regularising:  # the common training step: no per-row work
+        return None
     rows = route.rows.tolist() if route.rows is not None else [0] * batch  # -1: a row without a prompt
-    keep, draws = None, None
+    keep = torch.ones(batch, width, dtype=torch.bool, device=device)
+    draws, tables = None, {}
     for b, a in enumerate(rows):
-        entry = route.adapters[a] if a >= 0 else None
-        if entry is None or isinstance(entry, tuple) or not tuner.is_kv(entry):
-            continue  # an input prompt, a composition or a base row: nothing to mask
+        if a not in regularising:
+            continue
+        entry = route.adapters[a]
         config = tuner.peft_config[entry]
         spans = config.demonstration_spans if config.kv_leave_one_out else None
-        if not spans and not config.kv_position_dropout:
-            continue
-        keep = keep if keep is not None else torch.ones(batch, width, dtype=torch.bool, device=device)
         if spans:
-            i = int(index[b]) if index is not None else _matched(config, input_ids, attention_mask, b)
+            if index is None and a not in tables:  # ids -> demonstration, once per adapter and forward
+                tables[a] = {tuple(d): i for i, d in enumerate(config.demonstration_ids)}
+            i = int(index[b]) if index is not None else _matched(tables[a], input_ids, attention_mask, b)
             if not -1 <= i < len(spans):
                 raise ValueError(
                     f"`demonstration_index`[{b}]={i} is out of range for adapter {entry!r}, which holds "
