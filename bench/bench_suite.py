@@ -99,7 +99,6 @@ def run_one(spec: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...
     prefix, train_split, n = None, split, q.N
     if arm is not None:  # a context-tuning arm (_suite_ct.py): its demonstrations, what it trains on
         pairs, texts = ct.demonstrations(split, arm, seed, form)
-        prefix = capitals.few_shot_prefix(pairs, form) if arm.kind == "hard-demos" else None
         build = None if arm.kind == "hard-demos" else ct.build(arm, texts)
         variant, copied = q.Variant(name, build, lr=ct.CT_LR if lr is None else lr), arm.kind != "ct"
         train_split = ct.train_split(split, arm, pairs)
@@ -113,7 +112,9 @@ def run_one(spec: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...
     tag = name if lr is None else f"{name}-lr{lr:g}"  # a swept learning rate is its own arm in the report
     record = {"task": spec, "variant": tag, "lr": variant.lr, "seed": seed, "threads": torch.get_num_threads()}
     start = time.perf_counter()
-    if variant.build is None:
+    if arm is not None and arm.kind == "hard-demos":
+        record.update(ct.hard_shots(base, tokenizer, split, arm, pairs, texts, form))
+    elif variant.build is None:
         prefix = prefix if prefix is not None else _shots(split, seed, variant.shots, form)
         items = capitals.matches(base, tokenizer, split.held_out, prefix, form=form)
         record.update(steps=[0], cpu=[0.0], items=[items], validation=[None])
