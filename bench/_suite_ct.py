@@ -22,10 +22,11 @@ from peft.tuners.cartridge.utils import initialize_kv_prefix_from_text
 
 from peft_softprompt_plus import SoftPromptPlusConfig, pick_demonstrations
 from peft_softprompt_plus.apps import capitals
+from peft_softprompt_plus.distill import kv_start
 
 CT_LR = 1e-3  # Context Tuning's (its train.py); not swept here
 CHECKED = 40  # held-out items on which hard k-shot is also read as text, to check the start against it
-_ARM = re.compile(r"^(ct|peft-prefix-demos|hard-demos)-k(\d+)((?:-n\d+|-many|-noloo|-drop[0-9.]+)*)$")
+_ARM = re.compile(r"^(ct|peft-prefix-demos|hard-demos)-k(\d+)((?:-n\d+|-many|-noloo|-perhead|-drop[0-9.]+)*)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Arm:
     many: bool = False
     leave_one_out: bool = True
     dropout: float = 0.0
+    per_head: bool = False  # N selected per layer and KV head (distill/kv_start.py's), not whole positions
 
 
 def parse(name: str) -> Arm | None:
@@ -47,7 +49,7 @@ def parse(name: str) -> Arm | None:
     drop = re.search(r"-drop([0-9.]+)", options)
     return Arm(
         kind, k, int(n.group(1)) if n else None, "-many" in options, "-noloo" not in options,
-        float(drop.group(1)) if drop else 0.0,
+        float(drop.group(1)) if drop else 0.0, "-perhead" in options,
     )  # fmt: skip
 
 
@@ -71,9 +73,24 @@ def build(arm: Arm, texts: list[str]):
             demonstration_separator="", tokenizer_name_or_path=tokenizer.name_or_path,
             num_virtual_tokens=arm.n, kv_leave_one_out=arm.leave_one_out, kv_position_dropout=arm.dropout,
         )  # fmt: skip
-        return get_peft_model(base, config)
+        model = get_peft_model(base, config)
+        return _per_head(model) if arm.per_head else model
 
     return make
+
+
+def _per_head(model):
+    """The same N positions' count, chosen per layer and KV head by the same scores (the demonstrations, each read
+    after the context), in place of whole positions: the alternative the library did not build. Which demonstration a
+    slot came from differs per head, so the library's leave-one-out (whole spans) can't mask it: arm with `-noloo`."""
+    config = model.peft_config["default"]
+    if config.kv_leave_one_out:
+        raise SystemExit("a -perhead arm needs -noloo: leave-one-out masks whole positions")
+    ids = [token for demo in config.demonstration_ids for token in demo]  # the context (no separator)
+    cache = kv_start.prompt_cache(model, ids)  # [layers, 2, Hkv, P, hd]
+    scores = kv_start.attention_scores(model, ids, [(demo, 0) for demo in config.demonstration_ids], cache.shape[2])
+    kv_start.install(model, "default", kv_start.selected(cache, scores, config.num_virtual_tokens, 0))
+    return model
 
 
 def _peft(arm: Arm, texts, base, seed, tokenizer):
