@@ -1,12 +1,15 @@
-"""A KV prompt the connector refuses (it doesn't fit the engine's model) reaches the front as the connector's reason in
-the finished request's `kv_transfer_params`, and the front turns it into a 502 for that request; the connector's
-scheduler side runs for real (kv_connector_stub.py), for an engine serving another model than the prompt's."""
+"""A KV prompt the connector refuses (it doesn't fit the engine's model, or its share file doesn't hash to its name)
+reaches the front as the connector's reason in the finished request's `kv_transfer_params`, and the front turns it
+into a 502 for that request; the connector's scheduler side runs for real (kv_connector_stub.py), for an engine
+serving another model than the prompt's, or from a share where another file was planted under the prompt's name."""
 
 import kv_connector_stub
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from peft_softprompt_plus._names import VLLM_KV_REFUSED, VLLM_KV_SERVED
+from peft_softprompt_plus._names import VLLM_KV_REFUSED, VLLM_KV_SERVED, VLLM_KV_TENSOR
 from peft_softprompt_plus.apps.serve_kv import check_served, fields
 from peft_softprompt_plus.apps.serve_requests import FrontError
 from peft_softprompt_plus.apps.serve_share import publish
@@ -44,3 +47,17 @@ def test_a_prompt_for_another_model_is_a_502_with_the_connector_s_reason(share):
     with pytest.raises(FrontError, match="did not apply the KV prompt: the KV prompt has 2 layers") as caught:
         check_served(answer, digest)
     assert caught.value.status == 502 and reason in str(caught.value)
+
+
+def test_a_file_planted_under_the_prompt_s_name_is_a_502_and_the_connector_raises_nothing(share):
+    folder, digest = share
+    path = f"{folder}/{digest}.safetensors"
+    with safe_open(path, "pt") as handle:
+        metadata = handle.metadata()
+    planted = {VLLM_KV_TENSOR: torch.zeros_like(load_file(path)[VLLM_KV_TENSOR])}
+    save_file(planted, path, metadata=metadata)  # the right config, another tensor
+    answer = _answer(kv_connector_stub.scheduler_connector(folder), digest)
+    assert "not to its name: a stale or planted file" in answer["kv_transfer_params"][VLLM_KV_REFUSED]
+    with pytest.raises(FrontError, match="did not apply the KV prompt: the KV prompt .* hashes to ") as caught:
+        check_served(answer, digest)
+    assert caught.value.status == 502

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from peft_softprompt_plus._names import VLLM_KV_TENSOR
+from peft_softprompt_plus._names import SAVED_KV_KEY, VLLM_KV_TENSOR
+from peft_softprompt_plus.files.content_hash import content_hash
 from peft_softprompt_plus.integrations import kv_connector_core as core
 
 RECORD = json.loads(pathlib.Path(__file__).with_name("vllm_kv_layout.json").read_text())
@@ -193,8 +194,10 @@ def test_a_prompt_for_another_model_is_refused_by_the_worker_with_its_reason(pro
 
 @pytest.fixture
 def share(tmp_path):
-    digest = "ab" * 16
-    save_file({VLLM_KV_TENSOR: torch.randn(4, 2, 2, POSITIONS, HEAD_SIZE)}, str(tmp_path / f"{digest}.safetensors"))
+    """A KV prompt published as the front publishes it (apps/serve_share.py): test_kv_share_files.py checks those."""
+    values, config = torch.randn(4, 2, 2, POSITIONS, HEAD_SIZE), {"prompt_level": "kv"}
+    digest = content_hash(config, {SAVED_KV_KEY: values})
+    save_file({VLLM_KV_TENSOR: values}, str(tmp_path / f"{digest}.safetensors"), metadata=core.file_metadata(config))
     return str(tmp_path), digest
 
 

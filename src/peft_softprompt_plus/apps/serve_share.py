@@ -13,11 +13,11 @@ from collections import Counter
 from typing import Callable, Optional
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .._names import SAVED_KV_KEY, VLLM_KV_TENSOR
 from ..files.content_hash import content_hash
+from ..integrations.kv_connector_core import file_metadata, verified_prompt
 
 log = logging.getLogger("peft_softprompt_plus.serve")
 # vLLM may run as another user of the front's group: it reads the files, nobody outside the group does.
@@ -26,23 +26,22 @@ FILE_MODE = 0o640
 
 def publish(share: str, config: dict, values: torch.Tensor) -> str:
     """`values` (`[layers, 2, Hkv, N, hd]`) of the KV adapter saved with `config` as `share/<hash>.safetensors`, its
-    content hash (files/content_hash.py), which is its `cache_salt` too. A file of that name that doesn't hold
-    exactly these values (stale, planted or torn) is replaced, atomically: the connector may read it at any time."""
+    content hash (files/content_hash.py), which is its `cache_salt` too; the config fields the hash counts go in its
+    metadata, so vLLM's connector hashes the file again before serving it. A file of that name that doesn't hash to
+    it (stale, planted or torn) is replaced, atomically: the connector may read it at any time."""
     data = values.detach().float().cpu().contiguous()
     digest = content_hash(config, {SAVED_KV_KEY: data})  # as saved: its weights file holds this one tensor
     path = os.path.join(share, f"{digest}.safetensors")
-    if os.path.exists(path) and _holds(path, config, digest):
+    if os.path.exists(path) and _holds(path, digest):
         try:
             os.chmod(path, FILE_MODE)
             return digest
         except OSError:  # another user's file, though right: written again as this front's own
             pass
-    if os.path.exists(path):
-        log.warning("replaced %s: its content does not hash to its name", path)
     handle, scratch = tempfile.mkstemp(dir=share, suffix=".partial")  # mode 0600 until it is complete
     os.close(handle)
     try:
-        save_file({VLLM_KV_TENSOR: data}, scratch)
+        save_file({VLLM_KV_TENSOR: data}, scratch, metadata=file_metadata(config))
         os.chmod(scratch, FILE_MODE)
         os.replace(scratch, path)
     finally:
@@ -51,16 +50,14 @@ def publish(share: str, config: dict, values: torch.Tensor) -> str:
     return digest
 
 
-def _holds(path: str, config: dict, digest: str) -> bool:
-    """Does the file at `path` hold the one tensor whose content hash, with `config`, is `digest`?"""
+def _holds(path: str, digest: str) -> bool:
+    """Does the file at `path` hash to `digest`, as the connector checks it (`verified_prompt`)?"""
     try:
-        tensors = load_file(path)
-    except (OSError, SafetensorError, ValueError) as err:
-        log.warning("%s can't be read (%s)", path, err)
+        verified_prompt(path, digest)
+    except (OSError, ValueError) as err:
+        log.warning("replaced %s: %s", path, err)
         return False
-    if set(tensors) != {VLLM_KV_TENSOR}:
-        return False
-    return content_hash(config, {SAVED_KV_KEY: tensors[VLLM_KV_TENSOR]}) == digest
+    return True
 
 
 class Share:

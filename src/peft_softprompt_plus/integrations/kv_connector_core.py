@@ -14,18 +14,22 @@ The mapping follows vLLM 0.32 (recorded from its own helpers by `tests/integrati
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
+from .._names import SAVED_KV_KEY
 from .._names import VLLM_KV_PARAM as PARAM
 from .._names import VLLM_KV_TENSOR as TENSOR
+from ..files.content_hash import NOT_COMPUTED, content_hash
 
 _HASH = re.compile(r"^[0-9a-f]{16,64}$")
+CONFIG_KEY = "softprompt_plus_config"  # a share file's metadata: the config its content hash counts, as JSON
 
 
 @dataclass(frozen=True)
@@ -45,12 +49,43 @@ class LayerShape:
     head_size: int
 
 
+def file_metadata(config: dict) -> dict[str, str]:
+    """The metadata a share file is published with: the fields of the adapter's `config` its content hash counts, so
+    whoever reads the file can hash it again without the adapter's folder."""
+    return {CONFIG_KEY: json.dumps({k: v for k, v in config.items() if k not in NOT_COMPUTED}, sort_keys=True)}
+
+
+def verified_prompt(path: str, digest: str) -> torch.Tensor:
+    """The KV prompt in the share file at `path` once its tensor, hashed with the config in its metadata
+    (files/content_hash.py), gives `digest`; a ValueError says why not (a planted, stale or torn file)."""
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata, tensors = handle.metadata() or {}, {name: handle.get_tensor(name) for name in handle.keys()}
+    except SafetensorError as err:
+        raise ValueError(f"{path} is not a safetensors file ({err})") from err
+    if set(tensors) != {TENSOR}:
+        raise ValueError(f"{path} holds the tensors {sorted(tensors)}, not the one {TENSOR!r} the front publishes")
+    try:
+        config = json.loads(metadata[CONFIG_KEY])
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"{path} holds no config to hash it with: the front did not publish it ({err!r})") from err
+    found = content_hash(config if isinstance(config, dict) else {}, {SAVED_KV_KEY: tensors[TENSOR]})
+    if found != digest:
+        raise ValueError(
+            f"{path} hashes to {found}, not to its name: a stale or planted file (loading the adapter into "
+            "`softprompt-plus serve` again publishes it as it should be)"
+        )
+    return tensors[TENSOR]
+
+
 @functools.lru_cache(maxsize=64)
 def shared_prompt(folder: str, digest: str) -> torch.Tensor:
-    """`folder/digest.safetensors` as float32 `[layers, 2, Hkv, N, hd]`; content-addressed, so it never changes."""
+    """`folder/digest.safetensors` as float32 `[layers, 2, Hkv, N, hd]`, checked against `digest` the first time this
+    process reads it (`verified_prompt`). Content-addressed, a verified file never changes: later reads are one
+    lookup. A refused file is not kept, so it is checked again at its next read."""
     if not _HASH.match(digest):
         raise ValueError(f"`{PARAM}` must be a content hash (hex), got {digest!r}.")
-    return load_file(os.path.join(folder, f"{digest}.safetensors"))[TENSOR]
+    return verified_prompt(os.path.join(folder, f"{digest}.safetensors"), digest)
 
 
 def prompt_hash(kv_transfer_params: Optional[dict]) -> Optional[str]:

@@ -9,10 +9,11 @@ Imported by vLLM's processes only (it needs vLLM), named in vLLM's `--kv-transfe
 
 A request's prompt starts with N placeholder ids and its `kv_transfer_params` hold `{"softprompt_plus_kv": HASH}`:
 the connector reports those N positions as computed (never rounded to a block: padding would shift the text and add
-keys attention reads) and writes `SHARE/HASH.safetensors` (`[layers, 2, Hkv, N, hd]`, published by the front) into
-their slots with the attention backend's own cache writer, so the cache layout (CPU or GPU) is the backend's
-business. Requests carry the hash as `cache_salt` too: vLLM's prefix cache hashes blocks by token ids, and every
-adapter's placeholders are the same ids. Checked by `bench/vllm_check.py --parts kv` on vLLM for CPU 0.32.
+keys attention reads) and writes `SHARE/HASH.safetensors` (`[layers, 2, Hkv, N, hd]`, published by the front, hashed
+again the first time a process reads it) into their slots with the attention backend's own cache writer, so the cache
+layout (CPU or GPU) is the backend's business. Requests carry the hash as `cache_salt` too: vLLM's prefix cache
+hashes blocks by token ids, and every adapter's placeholders are the same ids. Checked by `bench/vllm_check.py
+--parts kv` on vLLM for CPU 0.32.
 
 Across ranks each worker writes only its own layers and KV heads (`kv_connector_core.py` holds the mapping and the
 checks). A KV prompt that doesn't fit the model is never raised inside vLLM: the scheduler matches 0 positions and
