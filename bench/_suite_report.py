@@ -9,6 +9,7 @@ from collections import defaultdict
 from typing import Optional
 
 import _stats
+import _suite_ct_report
 from _stats import markdown, mean_of_runs
 
 REFERENCE = "ours-vocab"  # its training time at STEPS is the equal-time budget
@@ -54,8 +55,9 @@ def _pair(a: list, b: list) -> str:
 def cmd_report(args) -> None:
     with open(args.out, encoding="utf-8") as handle:
         records = [json.loads(line) for line in handle if line.strip()]
+    latest = {(r["task"], r["variant"], r["seed"]): r for r in records}  # a rerun of a seed replaces it
     runs = defaultdict(list)
-    for r in records:
+    for r in latest.values():
         runs[(r["task"], r["variant"])].append(r)
     for task in sorted({r["task"] for r in records}):
         mine = {v: rs for (t, v), rs in runs.items() if t == task}
@@ -85,6 +87,7 @@ def cmd_report(args) -> None:
         print(markdown(["arm", "at step 120", "keep best by validation", "at equal time", "CPU s / step"], rows))
         _curves(mine)
         _differences(mine, budget)
+        _suite_ct_report.targets(task, mine)
 
 
 def _curves(mine: dict) -> None:

@@ -1,0 +1,88 @@
+"""bench_suite.py `report`'s context-tuning targets, per task: our best context-tuning form against PEFT's best
+prefix arm at equal CPU time (>= +5), against hard k-shot with the same demonstrations (>= +10) and against hard
+3-shot (>= +15), each a PASS/MISS row judged on the point estimate with its 95% interval beside it; and the CPU
+seconds per step of every trained arm against PEFT's.
+
+"Our best form" is picked among the `ct-*` arms run on the most seeds (an ablation's single lucky seed can't be it);
+"equal time": each PEFT arm's median training CPU for its 120 steps, ours read at its last evaluation inside it."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from typing import Optional
+
+import _stats
+from _stats import markdown, mean_of_runs
+
+PEFT_PREFIX = re.compile(r"^peft-(prefix|cartridge)-")
+CT = re.compile(r"^ct-k(\d+)")
+
+
+def _final(record: dict) -> list:
+    return record["items"][-1]
+
+
+def _within(record: dict, budget: float) -> list:
+    fitting = [i for i, c in enumerate(record["cpu"]) if c <= budget * 1.02]
+    return record["items"][fitting[-1]] if fitting else record["items"][0]
+
+
+def _budget(runs: list[dict]) -> float:
+    return statistics.median(r["cpu"][-1] for r in runs)
+
+
+def _diff(a: list, b: list) -> tuple:
+    points = lambda x, y: 100 * (mean_of_runs(x) - mean_of_runs(y))  # noqa: E731
+    return _stats.bootstrap(points, a, b)
+
+
+def _best(mine: dict, names: list[str], score) -> Optional[str]:
+    return max(names, key=lambda n: mean_of_runs([score(r) for r in mine[n]])) if names else None
+
+
+def targets(task: str, mine: dict) -> None:
+    """Print the targets' rows for `task` (`mine`: arm -> its records), if it has a context-tuning arm."""
+    ct = [n for n in mine if CT.match(n) and mine[n][0]["steps"][-1] > 0]
+    if not ct:
+        return
+    most = max(len(mine[n]) for n in ct)
+    best = _best(mine, [n for n in ct if len(mine[n]) == most], _final)
+    peft = [n for n in mine if PEFT_PREFIX.match(n)]
+    rows, lines = [], []
+
+    def row(what: str, a: list, b: list, target: Optional[str]) -> None:
+        point, low, high = _diff(a, b)
+        verdict = "" if target is None else ("PASS" if point >= float(target.split()[1]) else "MISS")
+        rows.append([what, f"{point:+.1f} [{low:+.1f}, {high:+.1f}]", f"{len(a)} vs {len(b)}", target or "", verdict])
+
+    if peft:  # the PEFT arm that does best at its own 120 steps, and ours inside that arm's CPU time
+        rival = _best(mine, peft, _final)
+        budget = _budget(mine[rival])
+        ours = [_within(r, budget) for r in mine[best]]
+        row(f"{best} - {rival}, equal time ({budget:.0f} CPU s)", ours, [_final(r) for r in mine[rival]], ">= 5")
+    k = CT.match(best).group(1)
+    for name, target in ((f"hard-demos-k{k}", ">= 10"), ("hard-3shot", ">= 15")):
+        if name in mine:
+            row(f"{best} - {name}, step 120", [_final(r) for r in mine[best]], [_final(r) for r in mine[name]], target)
+    for name, parent in _ablations(ct):
+        row(f"{name} - {parent}, step 120", [_final(r) for r in mine[name]], [_final(r) for r in mine[parent]], None)
+    for name in sorted(n for n in mine if mine[n][0]["steps"][-1] > 0 and (n in ct or n in peft)):
+        cost = statistics.median(r["cpu"][-1] / r["steps"][-1] for r in mine[name])
+        lines.append([name, f"{cost:.2f}", len(mine[name])])
+    print(f"\n#### {task}: context tuning's targets (our best form: {best}, run on {most} seeds)")
+    print("\n" + markdown(["comparison", "points [95% interval]", "runs", "target", "result"], rows))
+    print("\n" + markdown(["trained arm", "training CPU s / step (median)", "runs"], lines))
+
+
+def _ablations(names: list[str]) -> list[tuple[str, str]]:
+    """(arm, the arm it ablates): each option of an arm's name (`-noloo`, `-n20`, `-many`...) taken out in turn,
+    where that arm ran too."""
+    pairs = []
+    for name in sorted(names):
+        parts = name.split("-")  # ["ct", "k16", options...]
+        for i in range(2, len(parts)):
+            parent = "-".join(parts[:i] + parts[i + 1 :])
+            if parent in names:
+                pairs.append((name, parent))
+    return pairs
