@@ -4,6 +4,7 @@ and removed while it runs, and every refusal."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import io
@@ -75,12 +76,14 @@ def fake_vllm(
     max_model_len: int = 100,
     kv_share: str | None = None,
     model: tuple[int, int, int] | None = None,
+    streams: threading.Event | None = None,
 ) -> FastAPI:
     """Answers like vLLM's `/v1/completions`: "hello world" per choice (streamed in two pieces when asked). A
     request's `user` asks for vLLM's failures: "fail-400" (its message names server paths), "fail-500",
     "break-stream" (an error event after the first piece) and "bad-line" (a line that is not JSON). With `kv_share`,
     it runs this package's KV connector reading that folder for an engine serving `model` (layers, KV heads, head
-    size; the tiny GPT-2 by default), which marks the requests it matched."""
+    size; the tiny GPT-2 by default), which marks the requests it matched; as vLLM 0.32 does, a stream carries no
+    mark. With `streams`, a KV request answered whole waits (2 s at most) for a stream to arrive, then clears it."""
     app = FastAPI()
     connector = None if kv_share is None else kv_connector_stub.scheduler_connector(kv_share, model)
 
@@ -107,6 +110,12 @@ def fake_vllm(
         if body.get("logprobs") is not None:
             top = [{"hello": -0.1, "hi": -2.5, "hey": -3.0}, {" world": -0.2, " there": -1.9, "!": -4.0}]
             logprobs = {"tokens": ["hello", " world"], "token_logprobs": [-0.1, -0.2], "top_logprobs": top}
+        if body.get("stream") and streams is not None:
+            streams.set()
+        if streams is not None and not body.get("stream") and "kv_transfer_params" in body:
+            if not await asyncio.to_thread(streams.wait, 2.0):
+                return JSONResponse({"error": {"message": "no stream beside this check"}}, status_code=500)
+            streams.clear()
         if body.get("stream"):
 
             async def pieces():
@@ -517,6 +526,7 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
         _Server(fake_vllm(record, kv_share=str(share))),
         _Server(fake_vllm([])),
         _Server(fake_vllm([], kv_share=str(elsewhere))),
+        _Server(fake_vllm([], kv_share=str(share), streams=threading.Event())),  # a check waits for its stream
     ]
     servers = [_Server(build_app(front, u.url, UPSTREAM_MODEL, api_key=KEY)) for u in upstreams]
     try:
@@ -532,13 +542,22 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
         ids = front.tokenizer("the cat")["input_ids"]
         assert body["prompt"] == [front.placeholder] * 4 + ids and "prompt_embeds" not in body
         assert body["kv_transfer_params"] == {VLLM_KV_PARAM: adapter.kv} and body["cache_salt"] == adapter.kv
-        pieces = client.completions.create(model="kv", prompt="the cat", max_tokens=3, stream=True)
-        assert [c.choices[0].text for c in pieces] == ["hello", " world"]
+        for _ in range(2):  # every stream is checked, beside it: a request of one computed position, not a prefill
+            pieces = client.completions.create(model="kv", prompt="the cat", max_tokens=3, stream=True, n=2)
+            assert [[x.text for x in c.choices] for c in pieces] == [["hello"] * 2, [" world"] * 2]
+        streamed = [b for b in record[1:] if b.get("stream")]
+        checks = [b for b in record[1:] if not b.get("stream")]
+        assert [b["prompt"] for b in streamed] == [body["prompt"]] * 2
+        assert checks == [{**{k: body[k] for k in ("model", "cache_salt", "kv_transfer_params")}, "max_tokens": 1,
+                           "prompt": [front.placeholder] * 4 + ids[:1]}] * 2  # fmt: skip
+        assert adapter.kv in front.verified
+        beside = openai.OpenAI(api_key=KEY, base_url=f"{servers[3].url}/v1", max_retries=0)
+        pieces = beside.completions.create(model="kv", prompt="the cat", max_tokens=3, stream=True)
+        assert [c.choices[0].text for c in pieces] == ["hello", " world"]  # its check was answered: sent beside it
         # A vLLM started without the connector, or with one reading another folder, would read the placeholders as
-        # text: refused, streamed or not.
-        for server in servers[1:]:
+        # text: refused, streamed or not, though the same KV prompt was seen applied by another engine.
+        for server in servers[1:3]:
             blind = openai.OpenAI(api_key=KEY, base_url=f"{server.url}/v1", max_retries=0)
-            front.verified.clear()
             for stream in (False, True):
                 with pytest.raises(openai.APIStatusError, match="did not apply the KV prompt") as caught:
                     blind.completions.create(model="kv", prompt="the cat", max_tokens=3, stream=stream)

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .serve_front import Front
-from .serve_kv import check_served
+from .serve_kv import check_served, open_checked
 from .serve_ops import RETRY_AFTER_S, Ops, Ticket
 from .serve_replies import as_chat, as_chat_chunk, merged
 from .serve_requests import LOOPBACK_HOSTS, FrontError, parse
@@ -138,11 +138,12 @@ def build_app(
         ops.hold(ticket, adapter)
         kv = adapter.kv if adapter is not None else None
         chat = ticket.route == "chat"
-        if call.stream:
-            if kv is not None and kv not in front.verified:  # a stream can't be taken back: check the engine first
-                check_served(await engine.post(_one_token(payloads[0])), kv)
+        if call.stream:  # an error before the stream is returned is still an HTTP status
+            if kv is None:
+                response = await engine.open_stream(payloads[0])
+            else:  # a stream can't be taken back, and vLLM streams no connector mark: each one is checked beside it
+                response = await open_checked(engine, payloads[0], kv, adapter.positions)
                 front.verified.add(kv)
-            response = await engine.open_stream(payloads[0])  # an error here is still an HTTP status
             return _Stream(_relay(response, call.model, chat, call.top_logprobs, ticket), response, ops, ticket)
         answers = [check_served(a, kv) for a in await asyncio.gather(*(engine.post(p) for p in payloads))]
         if kv is not None:
@@ -165,13 +166,6 @@ def build_app(
             yield _sse({"error": {"message": str(err), "type": "server_error", "code": err.status}})
 
     return app
-
-
-def _one_token(payload: bytes) -> bytes:
-    body = json.loads(payload)
-    body.update(stream=False, max_tokens=1, n=1)
-    body.pop("stream_options", None)
-    return json.dumps(body).encode()
 
 
 async def _body(request: Request, limit: int) -> dict:

@@ -5,15 +5,22 @@ running in vLLM's processes) put them into the cache slots of N placeholder ids 
 vLLM places a prompt's tokens at positions 0..L-1, so the text can only start right after the N placeholders:
 adapters whose `kv_text_start` is past N are folded first (`serve_kv_fit.py`). The connector marks each request it
 served; the front checks the mark, so a vLLM started without the connector is a 502, never an answer computed from
-the placeholders; where the connector refused the KV prompt (it doesn't fit the engine's model), the 502 gives the
-connector's reason.
+the placeholders; where the connector refused the KV prompt (it doesn't fit the engine's model, or its file doesn't
+hash to its name), the 502 gives the connector's reason. vLLM 0.32 streams no connector mark (its stream chunks have
+no `kv_transfer_params`), so each stream is checked by a request of one computed position sent beside it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import httpx
+
+    from .serve_upstream import Upstream
 
 from .._names import VLLM_KV_PARAM, VLLM_KV_REFUSED, VLLM_KV_SERVED
 from .serve_requests import FrontError
@@ -64,3 +71,27 @@ def check_served(answer: dict, digest: Optional[str]) -> dict:
             "`softprompt-plus serve --kv-share` prints, with the same folder.",
         )
     return answer
+
+
+def check_body(payload: bytes, positions: int) -> bytes:
+    """The request that checks the connector applies a streamed KV request's prompt (`payload`): its model, salt and
+    connector fields, its `positions` placeholders and first text id, one token out. The connector writes the
+    placeholders' keys/values, so the engine computes one prompt position, not the stream's prompt again."""
+    body = json.loads(payload)
+    kept = {key: body[key] for key in ("model", "cache_salt", "kv_transfer_params") if key in body}
+    return json.dumps({**kept, "prompt": body["prompt"][: positions + 1], "max_tokens": 1}).encode()
+
+
+async def open_checked(engine: "Upstream", payload: bytes, digest: str, positions: int) -> "httpx.Response":
+    """The stream of `payload` (a KV request for `digest`), opened while `check_body`'s request checks the connector's
+    mark; it is returned once the mark is right, so the client's status waits for the check, not for a prefill. A
+    wrong or missing mark closes the stream (vLLM aborts the request) and raises the check's `FrontError`."""
+    opening = asyncio.ensure_future(engine.open_stream(payload))
+    try:
+        check_served(await engine.post(check_body(payload, positions)), digest)
+    except BaseException:
+        opening.cancel()  # pending: never opened; done: closed below
+        if opening.done() and not opening.cancelled() and opening.exception() is None:
+            await opening.result().aclose()
+        raise
+    return await opening
