@@ -17,6 +17,7 @@ import dataclasses
 import re
 
 import torch
+from _suite_kv import DESCRIPTIONS
 from peft import PrefixTuningConfig, get_peft_model
 from peft.tuners.cartridge.utils import initialize_kv_prefix_from_text
 
@@ -26,7 +27,7 @@ from peft_softprompt_plus.distill import kv_start
 
 CT_LR = 1e-3  # Context Tuning's (its train.py); not swept here
 CHECKED = 40  # held-out items on which hard k-shot is also read as text, to check the start against it
-_ARM = re.compile(r"^(ct|peft-prefix-demos|hard-demos)-k(\d+)((?:-n\d+|-many|-noloo|-perhead|-drop[0-9.]+)*)$")
+_ARM = re.compile(r"^(ct|peft-prefix-demos|hard-demos)-k(\d+)((?:-n\d+|-many|-noloo|-perhead|-desc|-drop[0-9.]+)*)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Arm:
     leave_one_out: bool = True
     dropout: float = 0.0
     per_head: bool = False  # N selected per layer and KV head (distill/kv_start.py's), not whole positions
+    described: bool = False  # the task's one-line description (the KV arms' start) before the demonstrations
 
 
 def parse(name: str) -> Arm | None:
@@ -49,14 +51,18 @@ def parse(name: str) -> Arm | None:
     drop = re.search(r"-drop([0-9.]+)", options)
     return Arm(
         kind, k, int(n.group(1)) if n else None, "-many" in options, "-noloo" not in options,
-        float(drop.group(1)) if drop else 0.0, "-perhead" in options,
+        float(drop.group(1)) if drop else 0.0, "-perhead" in options, "-desc" in options,
     )  # fmt: skip
 
 
-def demonstrations(split, arm: Arm, seed: int, form: capitals.Form) -> tuple[list[tuple[str, str]], list[str]]:
-    """The k training pairs, and each written as the model reads a training row."""
+def demonstrations(
+    split, arm: Arm, seed: int, form: capitals.Form, task: str
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """The k training pairs, and each written as the model reads a training row (after the task's description, its
+    own line that no training row matches, with `-desc`)."""
     pairs = [split.train[i] for i in pick_demonstrations(split.train, arm.k, seed)]
-    return pairs, [form.question(key) + form.answer(value) for key, value in pairs]
+    described = [DESCRIPTIONS[task] + "\n"] if arm.described else []
+    return pairs, described + [form.question(key) + form.answer(value) for key, value in pairs]
 
 
 def train_split(split, arm: Arm, pairs):

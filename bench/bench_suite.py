@@ -98,7 +98,7 @@ def run_one(spec: str, name: str, seed: int, steps: int, eval_at: tuple[int, ...
     split = suite.load_task(task)
     prefix, train_split, n = None, split, q.N
     if arm is not None:  # a context-tuning arm (_suite_ct.py): its demonstrations, what it trains on
-        pairs, texts = ct.demonstrations(split, arm, seed, form)
+        pairs, texts = ct.demonstrations(split, arm, seed, form, task)
         build = None if arm.kind == "hard-demos" else ct.build(arm, texts)
         variant, copied = q.Variant(name, build, lr=ct.CT_LR if lr is None else lr), arm.kind != "ct"
         train_split = ct.train_split(split, arm, pairs)
