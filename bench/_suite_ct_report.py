@@ -4,7 +4,9 @@ prefix arm at equal CPU time (>= +5), against hard k-shot with the same demonstr
 seconds per step of every trained arm against PEFT's.
 
 "Our best form" is picked among the `ct-*` arms run on the most seeds (an ablation's single lucky seed can't be it);
-"equal time": each PEFT arm's median training CPU for its 120 steps, ours read at its last evaluation inside it."""
+"equal time": each PEFT arm's median training CPU for its 120 steps, ours read at its last evaluation inside it.
+Every difference is over the seeds both arms ran (the runs column counts them), so a one-seed ablation is read
+against its parent's same seed."""
 
 from __future__ import annotations
 
@@ -52,27 +54,43 @@ def targets(task: str, mine: dict) -> None:
     rows, lines = [], []
 
     def row(what: str, a: list, b: list, target: Optional[str]) -> None:
-        point, low, high = _diff(a, b)
+        a, b = _common(a, b)
+        point, low, high = _diff([score(r) for score, r in a], [score(r) for score, r in b])
         verdict = "" if target is None else ("PASS" if point >= float(target.split()[1]) else "MISS")
         rows.append([what, f"{point:+.1f} [{low:+.1f}, {high:+.1f}]", f"{len(a)} vs {len(b)}", target or "", verdict])
 
     if peft:  # the PEFT arm that does best at its own 120 steps, and ours inside that arm's CPU time
         rival = _best(mine, peft, _final)
         budget = _budget(mine[rival])
-        ours = [_within(r, budget) for r in mine[best]]
-        row(f"{best} - {rival}, equal time ({budget:.0f} CPU s)", ours, [_final(r) for r in mine[rival]], ">= 5")
+        ours = [(lambda r: _within(r, budget), r) for r in mine[best]]
+        row(f"{best} - {rival}, equal time ({budget:.0f} CPU s)", ours, _at(mine[rival]), ">= 5")
+        for other in sorted(set(peft) - {rival}):  # the other PEFT arms, each at its own time, for context
+            spent = _budget(mine[other])
+            mine_then = [(lambda r, spent=spent: _within(r, spent), r) for r in mine[best]]
+            row(f"{best} - {other}, equal time ({spent:.0f} CPU s)", mine_then, _at(mine[other]), None)
     k = CT.match(best).group(1)
     for name, target in ((f"hard-demos-k{k}", ">= 10"), ("hard-3shot", ">= 15")):
         if name in mine:
-            row(f"{best} - {name}, step 120", [_final(r) for r in mine[best]], [_final(r) for r in mine[name]], target)
+            row(f"{best} - {name}, step 120", _at(mine[best]), _at(mine[name]), target)
     for name, parent in _ablations(ct):
-        row(f"{name} - {parent}, step 120", [_final(r) for r in mine[name]], [_final(r) for r in mine[parent]], None)
+        row(f"{name} - {parent}, step 120", _at(mine[name]), _at(mine[parent]), None)
     for name in sorted(n for n in mine if mine[n][0]["steps"][-1] > 0 and (n in ct or n in peft)):
         cost = statistics.median(r["cpu"][-1] / r["steps"][-1] for r in mine[name])
         lines.append([name, f"{cost:.2f}", len(mine[name])])
     print(f"\n#### {task}: context tuning's targets (our best form: {best}, run on {most} seeds)")
     print("\n" + markdown(["comparison", "points [95% interval]", "runs", "target", "result"], rows))
     print("\n" + markdown(["trained arm", "training CPU s / step (median)", "runs"], lines))
+
+
+def _at(runs: list[dict]) -> list:
+    return [(_final, r) for r in runs]
+
+
+def _common(a: list, b: list) -> tuple[list, list]:
+    """Both arms' (score, record) pairs on the seeds both ran (paired by seed as well as by item), or all of each
+    where they share none."""
+    seeds = {r["seed"] for _, r in a} & {r["seed"] for _, r in b}
+    return ([x for x in a if x[1]["seed"] in seeds], [x for x in b if x[1]["seed"] in seeds]) if seeds else (a, b)
 
 
 def _ablations(names: list[str]) -> list[tuple[str, str]]:
