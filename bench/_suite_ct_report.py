@@ -14,33 +14,18 @@ import re
 import statistics
 from typing import Optional
 
-import _stats
-from _stats import markdown, mean_of_runs
+from _stats import Row, markdown
+from _suite_scores import best as _best
+from _suite_scores import bootstrap
+from _suite_scores import final as _final
+from _suite_scores import within as _within
 
 PEFT_PREFIX = re.compile(r"^peft-(prefix|cartridge)-")
 CT = re.compile(r"^ct-k(\d+)")
 
 
-def _final(record: dict) -> list:
-    return record["items"][-1]
-
-
-def _within(record: dict, budget: float) -> list:
-    fitting = [i for i, c in enumerate(record["cpu"]) if c <= budget * 1.02]
-    return record["items"][fitting[-1]] if fitting else record["items"][0]
-
-
 def _budget(runs: list[dict]) -> float:
     return statistics.median(r["cpu"][-1] for r in runs)
-
-
-def _diff(a: list, b: list) -> tuple:
-    points = lambda x, y: 100 * (mean_of_runs(x) - mean_of_runs(y))  # noqa: E731
-    return _stats.bootstrap(points, a, b)
-
-
-def _best(mine: dict, names: list[str], score) -> Optional[str]:
-    return max(names, key=lambda n: mean_of_runs([score(r) for r in mine[n]])) if names else None
 
 
 def targets(task: str, mine: dict) -> None:
@@ -55,8 +40,8 @@ def targets(task: str, mine: dict) -> None:
 
     def row(what: str, a: list, b: list, target: Optional[str]) -> None:
         a, b = _common(a, b)
-        point, low, high = _diff([score(r) for score, r in a], [score(r) for score, r in b])
-        verdict = "" if target is None else ("PASS" if point >= float(target.split()[1]) else "MISS")
+        point, low, high = bootstrap([score(r) for score, r in a], [score(r) for score, r in b])
+        verdict = Row(what, point, target=target).verdict
         rows.append([what, f"{point:+.1f} [{low:+.1f}, {high:+.1f}]", f"{len(a)} vs {len(b)}", target or "", verdict])
 
     if peft:  # the PEFT arm that does best at its own 120 steps, and ours inside that arm's CPU time

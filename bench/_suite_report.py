@@ -6,39 +6,16 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
-from typing import Optional
 
-import _stats
 import _suite_ct_report
 from _stats import markdown, mean_of_runs
+from _suite_scores import best as _best
+from _suite_scores import bootstrap
+from _suite_scores import final as _final
+from _suite_scores import within as _within
 
 REFERENCE = "ours-vocab"  # its training time at STEPS is the equal-time budget
 STEPS = 120
-
-
-def _final(record: dict, keep_best: bool = False) -> list[bool]:
-    """Per-item matches at the last evaluation, or (keep_best) at the evaluation with the best validation score."""
-    if keep_best and record["validation"][-1] is not None:
-        best = max(range(len(record["validation"])), key=lambda i: (record["validation"][i], -i))
-        return record["items"][best]
-    return record["items"][-1]
-
-
-def _within(record: dict, budget: float) -> list[bool]:
-    """Per-item matches at the last evaluation whose training CPU time fits in `budget` (the start if none)."""
-    fitting = [i for i, c in enumerate(record["cpu"]) if c <= budget * 1.02]
-    return record["items"][fitting[-1]] if fitting else record["items"][0]
-
-
-def _difference(a, b=None) -> float:
-    """Points of exact match: A's mean over seeds and items, minus B's when given."""
-    return 100 * (mean_of_runs(a) - (mean_of_runs(b) if b is not None else 0.0))
-
-
-def bootstrap(runs_a: list[list[bool]], runs_b: Optional[list[list[bool]]] = None) -> tuple:
-    """Mean exact match of A (minus B's, when given), points, with a 95% interval over seeds and items (the same
-    items for both arms: they are paired)."""
-    return _stats.bootstrap(_difference, *([runs_a] if runs_b is None else [runs_a, runs_b]))
 
 
 def _fmt(triple: tuple, seeds, signed: bool = False) -> str:
@@ -118,12 +95,6 @@ def _curves(mine: dict) -> None:
 # with PEFT's best prompt method at equal time. LoRA is context, not a prompt method.
 OURS = ("ours-vocab", "ours-kv-vocab", "ours-kv-text", "ours-kv-text-nosink")
 PEFT_PROMPTS = ("peft-pt-vocab", "peft-pt-random", "peft-p-tuning", "peft-prefix-text", "peft-cartridge-text")
-
-
-def _best(mine: dict, names: tuple, score) -> Optional[str]:
-    """The arm among `names` with the highest mean of `score(record)` (per-item matches), None if none ran."""
-    ran = [name for name in names if name in mine]
-    return max(ran, key=lambda name: mean_of_runs([score(r) for r in mine[name]])) if ran else None
 
 
 def _row(a: str, b: str, mine: dict, score, when: str, target: str) -> list:
