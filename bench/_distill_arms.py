@@ -50,7 +50,25 @@ ARMS["+ 3 turns per part, answer weight 0.5, N=32, facts kept as hard text"] = (
 ARMS["PEFT CARTRIDGE, text start, 3 turns per part, answer weight 0.5, N=32"] = (3, 0.5, 32, *_KV, "text")
 for _n in (8, 16, 64, 128):  # the N curve of the KV student
     ARMS[f"KV, selected start, 3 turns per part, answer weight 0.5, N={_n}"] = (3, 0.5, _n, *_KV, "selected")
+# A KV student keeping the facts (kept.txt) as the teacher's own keys/values: N counts them, "kept+n" selects n more.
+_KEPT_KV = (False, False, 0, True, "kv", "selected")
+for _n in (16, 32):
+    ARMS[f"KV, facts kept as keys/values, 3 turns per part, answer weight 0.5, N=kept+{_n}"] = (3, 0.5, _n, *_KEPT_KV)
+ARMS["KV, facts kept as keys/values, no part turns, N=kept+32"] = (0, 0.0, 32, *_KEPT_KV)
+ARMS["KV, facts kept as keys/values, greedy and quoted part replies, answer weight 0.5, N=kept+32"] = (
+    3, 0.5, 32, False, True, 3, True, "kv", "selected"
+)  # fmt: skip
 DEFAULT_ARMS = list(ARMS)[:3]
+
+
+def num_virtual_tokens(arm: Arm, tokenizer, system_prompt: str, keep_text) -> int:
+    """The arm's N: a KV student keeping the facts counts their positions (and the template's) plus its own N."""
+    if not (arm.keep_facts and arm.prompt_level == "kv"):
+        return arm.num_virtual_tokens
+    from peft_softprompt_plus.distill.data import kept_positions, prepare
+
+    facts, frame = kept_positions(tokenizer, prepare(tokenizer, system_prompt, True, 1), keep_text)
+    return len(set(facts) | set(frame) | {0}) + arm.num_virtual_tokens
 
 
 def tag(data: Path) -> str:
@@ -59,8 +77,8 @@ def tag(data: Path) -> str:
 
 
 def keep_text(data: Path, keep: bool):
-    """A "facts kept as hard text" arm's passage: the prompt folder's kept.txt (its paragraphs of facts)."""
-    return (data / "kept.txt").read_text().strip() if keep else None
+    """A "facts kept" arm's passages: the prompt folder's kept.txt, one per paragraph (its paragraphs of facts)."""
+    return [p.strip() for p in (data / "kept.txt").read_text().strip().split("\n\n")] if keep else None
 
 
 def samples(data: Path, seed: int, per_part: int, length: int, greedy: bool, quotes: int, fresh: bool, study=False):
@@ -81,7 +99,8 @@ def knobs(args) -> str:
     return "".join(
         tag for tag, on in ((f" lr {args.lr}", args.lr is not None), (" self-study", args.self_study),
                             (f" top {args.kl_top_k}", args.kl_top_k), (f" sink {args.kv_frozen_positions}",
-                                                                        args.kv_frozen_positions is not None)) if on
+                                                                        args.kv_frozen_positions is not None),
+                            (f" text {args.prompt_text_weight}", getattr(args, "prompt_text_weight", 0))) if on
     )  # fmt: skip
 
 

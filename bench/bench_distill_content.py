@@ -149,6 +149,7 @@ def main() -> None:
     parser.add_argument("--self-study", action="store_true", help="the teacher writes its turns from five seed kinds")
     parser.add_argument("--kl-top-k", type=int, default=0, help="train on the teacher's top-k tokens (0: full KL)")
     parser.add_argument("--kv-frozen-positions", type=int, default=None, help="a KV student's frozen sink")
+    parser.add_argument("--prompt-text-weight", type=float, default=0.0, help="next-token loss on the system turn")
     parser.add_argument("--evaluate-at", default="", help="comma-separated steps at which held-out KL is measured too")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
@@ -187,8 +188,10 @@ def main() -> None:
     if args.score_only:
         return _score_only(names, args.seed, path, tokenizer, data, system_prompt, arms.knobs(args))
     for name in names:
-        per_part, weight, n, in_turn, greedy, quotes, keep, level, init = arms.Arm(*arms.ARMS[name])
+        arm = arms.Arm(*arms.ARMS[name])
+        per_part, weight, _, in_turn, greedy, quotes, keep, level, init = arm
         keep_text = arms.keep_text(data, keep)
+        n = arms.num_virtual_tokens(arm, tokenizer, system_prompt, keep_text)
         kept, samples = arms.samples(
             data, args.seed, per_part, args.max_new_tokens, greedy, quotes, args.fresh, args.self_study
         )
@@ -214,6 +217,7 @@ def main() -> None:
             in_system_turn=in_turn, lr=args.lr, evaluate_at=evaluate_at, max_new_tokens=args.max_new_tokens,
             greedy_part_replies=greedy, quote_parts=quotes, keep_text=keep_text, prompt_level=level, prompt_init=init,
             self_study=args.self_study, kl_top_k=args.kl_top_k, kv_frozen_positions=args.kv_frozen_positions,
+            prompt_text_weight=args.prompt_text_weight,
         )  # fmt: skip
         model = distill_prompt(
             AutoModelForCausalLM.from_pretrained(path),
@@ -236,7 +240,7 @@ def main() -> None:
             replies=c.replies, seed=args.seed, steps=args.steps, lr=report.options.lr,
             samples_reused=samples is not None,
             max_new_tokens=args.max_new_tokens, self_study=args.self_study, kl_top_k=args.kl_top_k,
-            kv_frozen_positions=args.kv_frozen_positions,
+            kv_frozen_positions=args.kv_frozen_positions, prompt_text_weight=args.prompt_text_weight,
             user_probes=dict(
                 probes=u.probes, teacher=u.teacher, student=u.student, none=u.none, kept=u.kept,
                 kept_95=_kept_interval(u.replies),
@@ -247,7 +251,9 @@ def main() -> None:
             ),
             curve={p.step: round(gap_closed(p.held_out, report.none), 4) for p in report.curve},
             train_cpu=report.train_cpu_seconds, knobs=arms.knobs(args),
-            kv_selection="replies" if init == "selected" else None,
+            kv_selection="replies" if init == "selected" else None, num_virtual_tokens=n,
+            kept_positions=report.kept_positions, facts=report.facts,
+            prompt_positions=len(prepare(tokenizer, system_prompt, True, 1).prefix_ids),
         )  # fmt: skip
         figures = {k: v for k, v in results[name].items() if k != "replies"}
         with open(arms.OUT / "distill_content.jsonl", "a") as log:

@@ -145,6 +145,8 @@ def test_each_option_reaches_the_training_loop(tok, chat_dir, monkeypatch, level
         ({"kl_top_k": 2.5}, "`kl_top_k` must be an int >= 0"),
         ({"kv_frozen_positions": 1}, "`kv_frozen_positions`=1 sets a KV student's frozen first positions"),
         ({"prompt_level": "kv", "kv_frozen_positions": -2}, "`kv_frozen_positions` must be None or an int >= 0"),
+        ({"prompt_text_weight": -0.5}, "`prompt_text_weight` must be a finite number >= 0 (0: off), got -0.5"),
+        ({"prompt_text_weight": float("nan")}, "`prompt_text_weight` must be a finite number >= 0"),
     ],
 )
 def test_recipe_options_are_refused_by_name_before_the_model_changes(tok, chat_dir, kwargs, words):  # noqa: F811
@@ -171,6 +173,8 @@ def test_cli_maps_the_recipe_flags_and_refuses_a_negative_top_k(chat_dir, tmp_pa
     assert PeftModel.from_pretrained(_base(chat_dir), out).peft_config["default"].kv_frozen_positions == 2
     assert cli_main(argv + ["--kl-top-k", "-1"]) == 2
     assert "`--kl-top-k` must be an int >= 0" in capsys.readouterr().err
+    assert cli_main(argv + ["--prompt-text-weight", "-1"]) == 2
+    assert "`--prompt-text-weight` must be a finite number >= 0 (0: off), got -1.0" in capsys.readouterr().err
 
 
 def test_a_kv_student_writes_its_turns_by_self_study_unless_told_not_to(tok, chat_dir):  # noqa: F811
@@ -179,3 +183,27 @@ def test_a_kv_student_writes_its_turns_by_self_study_unless_told_not_to(tok, cha
         model = distill(_base(chat_dir), tok, SYSTEM, prompt_level=level, self_study=given, **kw)
         assert model.distill_report.samples.self_study is expected, (level, given)
         assert ("by self-study" in model.distill_report.lines()[0]) is expected
+
+
+def test_the_prompt_text_loss_is_the_student_s_next_token_loss_on_the_system_turn_added_each_step(
+    tok,
+    chat_dir,
+    monkeypatch,  # noqa: F811
+):
+    calls = _spy(monkeypatch, score, "text_nll")
+    plain = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, user_turns=USERS, **KW)
+    assert calls == []  # off by default
+    model = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, user_turns=USERS, prompt_text_weight=0.5, **KW)
+    prefix = prepare(tok, SYSTEM, True, 4).prefix_ids
+    assert len(calls) == KW["steps"] and all(list(c["ids"]) == prefix for c in calls)
+    assert "the system turn's text at weight 0.5" in model.distill_report.lines()[0]
+    trained = model.base_model.prompt("default").detach()
+    assert not torch.equal(trained, plain.base_model.prompt("default").detach())  # the loss moved the prompt
+    # The reference: the base reading the trained input prompt's vectors, then the system turn's embeddings.
+    base = model.get_base_model()
+    ids = torch.tensor([prefix])  # [1, S]
+    with torch.no_grad():
+        embeds = torch.cat([trained.unsqueeze(0), base.get_input_embeddings()(ids)], 1)  # [1, N+S, D]
+        logits = base(inputs_embeds=embeds).logits[0, 4:-1]  # [S-1, V]
+        expected = torch.nn.functional.cross_entropy(logits.float(), ids[0, 1:])
+        torch.testing.assert_close(score.text_nll(model, prefix, "default"), expected, rtol=1e-5, atol=1e-5)

@@ -113,6 +113,13 @@ def add_parser(sub) -> None:
         "distribution).",
     )
     distill.add_argument(
+        "--prompt-text-weight",
+        type=float,
+        default=0.0,
+        help="Add this weight times a next-token loss on the system turn's own text, read after the soft prompt "
+        "(default 0: off).",
+    )
+    distill.add_argument(
         "--kv-frozen-positions",
         type=int,
         default=None,
@@ -220,6 +227,9 @@ def _distill(args) -> int:
         raise ValueError(f"`--quote-parts` must be 0 to 3 (quoting questions per part), got {args.quote_parts}.")
     if not 0 <= args.answer_weight <= 1:
         raise ValueError(f"`--answer-weight` must be in [0, 1], got {args.answer_weight}.")
+    if not 0 <= args.prompt_text_weight < float("inf"):
+        weight = args.prompt_text_weight
+        raise ValueError(f"`--prompt-text-weight` must be a finite number >= 0 (0: off), got {weight}.")
     for name in ("num_virtual_tokens", "steps", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}.")

@@ -70,6 +70,9 @@ def problems_of(model, o, user_turns, held_out_turns, probes) -> list[str]:
         found.append(f"`turns_per_part` must be an int >= 0, got {turns_per_part!r}.")
     if isinstance(answer_weight, bool) or not isinstance(answer_weight, (int, float)) or not 0 <= answer_weight <= 1:
         found.append(f"`answer_weight` must be a number in [0, 1], got {answer_weight!r}.")
+    weight = o.prompt_text_weight
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < float("inf"):
+        found.append(f"`prompt_text_weight` must be a finite number >= 0 (0: off), got {weight!r}.")
     if probes is not None and (
         isinstance(probes, str) or not all(isinstance(p, (str, distill_content.Probe)) for p in probes)
     ):

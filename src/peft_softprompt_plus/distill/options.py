@@ -59,6 +59,10 @@ class DistillOptions:
     lr: Optional[float] = _option(None, "AdamW learning rate (default: the form's own).")
     answer_weight: float = _option(0.0, "Weight tokens by how much the system prompt changes them, 0 to 1.")
     kl_top_k: int = _option(0, "Train on the teacher's k likeliest tokens, renormalised (0: its full distribution).")
+    prompt_text_weight: float = _option(
+        0.0,
+        "Add this weight times a next-token loss on the system turn's own text, read after the soft prompt (0: off).",
+    )
     seed: int = _option(0, "Random seed: the samples, the split and the batches.")
     evaluate_at: Sequence[int] = _option((), "Steps (0: before training) whose held-out figures go in the curve.")
 

@@ -58,6 +58,7 @@ class DistillReport:
             f"{' the teacher wrote' if rows.sampled_turns else ''}"
             + (" by self-study" if rows.self_study else "")
             + (f", KL on the teacher's top {o.kl_top_k} tokens" if o.kl_top_k else "")
+            + (f", the system turn's text at weight {o.prompt_text_weight}" if o.prompt_text_weight else "")
             + (" (and the teacher's greedy reply to each question about a part)" if o.greedy_part_replies else "")
             + (f" (and {o.quote_parts} quoting each part's own text)" if o.quote_parts else "")
             + f"; {self.train_seconds:.0f} s of training"

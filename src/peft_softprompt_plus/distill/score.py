@@ -73,6 +73,14 @@ def weighted_kl(model, batch: ScoredBatch, adapter: str, answer_weight: float, t
     return (kl * weights).sum() / weights.sum()
 
 
+def text_nll(model, ids: Sequence[int], adapter: str) -> torch.Tensor:
+    """The mean next-token loss of `adapter` reading `ids` after its prompt: memorising a text (`prompt_text_weight`
+    trains the student on the system turn's own ids this way, beside the KL)."""
+    row = torch.tensor([list(ids)], device=model.get_input_embeddings().weight.device)  # [1, S]
+    logits = model(input_ids=row, attention_mask=torch.ones_like(row), adapter_names=[adapter]).logits  # [1, S, V]
+    return torch.nn.functional.cross_entropy(logits[0, :-1].float(), row[0, 1:])
+
+
 @torch.no_grad()
 def held_out_kl(model, samples: list[Sample], adapter: str, pad_id: int, batch_size: int) -> float:
     """Mean per-token KL against the teacher over every scored position of `samples`; `adapter` BASE scores the

@@ -106,7 +106,10 @@ def _loop(prep: Preparation, o: DistillOptions, prompt, evaluate: Callable[[], F
         started, started_cpu = time.perf_counter(), time.process_time()
         batch = distill_score.scored_batch([samples.train[i] for i in next(picks)], prep.pad_id, prompt.device)
         kl = distill_score.weighted_kl(model, batch, STUDENT, o.answer_weight, o.kl_top_k)
-        kl.backward()
+        loss = kl
+        if o.prompt_text_weight:  # the system turn's own text, memorised beside the teacher's turns
+            loss = kl + o.prompt_text_weight * distill_score.text_nll(model, prep.prompt.prefix_ids, STUDENT)
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.seconds += time.perf_counter() - started
