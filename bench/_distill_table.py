@@ -7,6 +7,7 @@
 - Refusals: the share of off-topic probes (`"kind": "refusal"`) whose reply carries the refusal's words (the
   probe's facts), teacher against student.
 - CPU seconds of training, and the KL gap closed at the cheapest arm's CPU budget where the arm's curve reaches it.
+- Positions read: the student's prompt positions (N, and an input student's kept text) over the system turn's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def knobs(record: dict) -> str:
         tags += [f"top {record['kl_top_k']}" if record.get("kl_top_k") else ""]
         sink = record.get("kv_frozen_positions")
         tags += [f"sink {sink}" if sink is not None else ""]
+        tags += [f"system turn's text at {record['prompt_text_weight']:g}" if record.get("prompt_text_weight") else ""]
     if "selected" in record["arm"] and not record.get("kv_selection"):
         tags.append("first 32 rows' attention")  # the selection before it read replies over every kind of row
     return ", ".join(t for t in tags if t)
@@ -93,7 +95,7 @@ def table(log: Path, prompt: str, data: Path) -> str:
     budget = min(statistics.median(r.get("train_cpu", r["seconds"]) for r in rs) for rs in trained)
     header = [
         "arm", "seeds", "KL gap closed", "content kept", "refusals steered: teacher / student",
-        "kept text alone: gap / content", "CPU s (train)", "gap at equal CPU",
+        "kept text alone: gap / content", "positions read", "CPU s (train)", "gap at equal CPU",
     ]  # fmt: skip
     rows = []
     for (arm, tag), rs in sorted(arms.items()):
@@ -110,12 +112,20 @@ def table(log: Path, prompt: str, data: Path) -> str:
         cpu = statistics.median(r.get("train_cpu", r["seconds"]) for r in rs)
         name = f"{arm}{' (' + tag + ')' if tag else ''}"
         kept = _kept_interval(content)
-        rows.append([name, len(rs), _gap_cell(rs), kept, refuse, alone_text, f"{cpu:.0f}", _at_budget(rs, budget)])
+        row = [name, len(rs), _gap_cell(rs), kept, refuse, alone_text, _read(rs[0]), f"{cpu:.0f}"]
+        rows.append([*row, _at_budget(rs, budget)])
     about = (
         f"prompt {prompt or '(top)'}: {len(probes) - len(refusals)} content probes, {len(refusals)} refusal probes; "
         f"equal CPU time = {budget:.0f} s of training"
     )
     return about + "\n" + markdown(header, rows)
+
+
+def _read(record: dict) -> str:
+    """The positions the student reads in the system turn's place, over the turn's (a record before they were kept
+    says "–")."""
+    read, whole = record.get("read_positions", record.get("num_virtual_tokens")), record.get("prompt_positions")
+    return "–" if not (read and whole) else f"{read} of {whole} ({read / whole:.0%})"
 
 
 def _at_budget(records: list[dict], budget: float) -> str:

@@ -2,7 +2,8 @@
 
 `smol`: KV adapters behind `softprompt-plus serve` and vLLM's KV connector, each reply (Completions, Chat, a stream
 of each) against this library's `generate`: two native KV adapters (a text start, trained a few steps off it), a
-`selected` distillation student (its text starts past N: the front folds it at load) and `--compose kv-ab=kv-a,kv-b`.
+`selected` distillation student and one that keeps its facts as the teacher's own keys/values (`keep_text`; their
+text starts past N: the front folds them at load) and `--compose kv-ab=kv-a,kv-b`.
 `limit`: a front with small `--max-in-flight` and `--max-tokens-in-flight`, fired well past them."""
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ KV_TEXTS = {  # each KV adapter's text start, its first N tokens' keys/values
 }
 COMPOSE = ("kv-ab", ("kv-a", "kv-b"))
 STUDENT = "student"
+KEPT = "The shop opens at 8 am every day but Tuesday. A city bike costs 15 euros a day; an electric bike costs 30."
+STUDENTS = {STUDENT: None, "student-kept": KEPT}  # served name -> its kept passage
 SYSTEM = (  # the student's system prompt: short, so that a few distillation steps run in seconds
     "You are Nora, the assistant of the Portmere bike shop on Pier 9. The shop opens at 8 am every day but Tuesday. "
     "A city bike costs 15 euros a day; an electric bike costs 30."
@@ -71,22 +74,28 @@ def build(path: str, out: str, student: bool = True) -> tuple[dict[str, str], di
         facts[name] = {"steps": 5, "last_loss": round(loss.item(), 3), "max_change_over_max_start": round(moved, 4)}
         folders[name] = os.path.join(out, "smol-adapters", name)
         model.save_pretrained(folders[name])
-    if student:
-        folders[STUDENT], facts[STUDENT] = _student(path, tokenizer, os.path.join(out, "smol-adapters", STUDENT))
+    for name, kept in STUDENTS.items() if student else ():
+        folders[name], facts[name] = _student(path, tokenizer, os.path.join(out, "smol-adapters", name), kept)
     return folders, facts
 
 
-def _student(path: str, tokenizer, folder: str) -> tuple[str, dict]:
-    """A KV student of SYSTEM from its `selected` start (N=8 of the system turn's positions), a few steps trained."""
+def _student(path: str, tokenizer, folder: str, kept=None) -> tuple[str, dict]:
+    """A KV student of SYSTEM from its `selected` start (N=8 of the system turn's positions; with `kept`, the
+    passage's and the template's positions as the teacher's keys/values and 8 selected), a few steps trained."""
     from transformers import AutoModelForCausalLM
 
     from peft_softprompt_plus import DistillOptions, distill_prompt
     from peft_softprompt_plus.distill.content import Probe
+    from peft_softprompt_plus.distill.data import kept_positions, prepare
     from peft_softprompt_plus.distill.score import gap_closed
 
+    n = 8
+    if kept is not None:
+        facts, frame = kept_positions(tokenizer, prepare(tokenizer, SYSTEM, True, 1), kept)
+        n += len(set(facts) | set(frame) | {0})
     options = DistillOptions(
-        num_virtual_tokens=8, prompt_level="kv", prompt_init="selected", self_study=False, steps=6, batch_size=4,
-        samples_per_turn=2, held_out_samples_per_turn=1, max_new_tokens=12, evaluate_at=(0, 6),
+        num_virtual_tokens=n, prompt_level="kv", prompt_init="selected", self_study=False, steps=6, batch_size=4,
+        samples_per_turn=2, held_out_samples_per_turn=1, max_new_tokens=12, evaluate_at=(0, 6), keep_text=kept,
     )  # fmt: skip
     model = distill_prompt(
         AutoModelForCausalLM.from_pretrained(path), tokenizer, SYSTEM, options, user_turns=TURNS,
@@ -98,6 +107,8 @@ def _student(path: str, tokenizer, folder: str) -> tuple[str, dict]:
     facts = {
         "num_virtual_tokens": config.num_virtual_tokens,
         "kv_text_start": config.kv_text_start,
+        "kept_positions": report.kept_positions,
+        "facts": report.facts,
         "steps": options.steps,
         "gap_closed_by_step": {str(c.step): round(gap_closed(c.held_out, report.none), 4) for c in report.curve},
         "gap_closed": round(report.gap_closed, 4),
@@ -137,7 +148,7 @@ def references(path: str, folders: dict[str, str]) -> dict[str, list[str]]:
         for served, adapter in {**{n: n for n in names}, COMPOSE[0]: list(COMPOSE[1])}.items():
             model.set_adapter(adapter)
             wanted[served] = []
-            for _, _, ids in rows(tokenizer, served == STUDENT):
+            for _, _, ids in rows(tokenizer, served in STUDENTS):
                 new = model.generate(input_ids=torch.tensor([ids]), **greedy)[0, len(ids) :].tolist()
                 new = new[: new.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in new else new
                 wanted[served].append(tokenizer.decode(new, skip_special_tokens=True))
@@ -148,7 +159,7 @@ def check(url: str, wanted: dict[str, list[str]], tokenizer) -> dict:
     """Every served name through the front: each row, then a Completions and a Chat stream."""
     counts = {}
     for name, want in wanted.items():
-        prompts = rows(tokenizer, name == STUDENT)
+        prompts = rows(tokenizer, name in STUDENTS)
         got = [_ask(url, name, route, sent) for route, sent, _ in prompts]
         plain = len(PLAIN)
         streams = [_ask(url, name, "completions", PLAIN[0], True), _ask(url, name, "chat", prompts[plain][1], True)]

@@ -254,6 +254,8 @@ def main() -> None:
             kv_selection="replies" if init == "selected" else None, num_virtual_tokens=n,
             kept_positions=report.kept_positions, facts=report.facts,
             prompt_positions=len(prepare(tokenizer, system_prompt, True, 1).prefix_ids),
+            read_positions=n + (len(kept_ids(tokenizer, prepare(tokenizer, system_prompt, True, 1), keep_text, False))
+                                if keep_text is not None and level == "input" else 0),
         )  # fmt: skip
         figures = {k: v for k, v in results[name].items() if k != "replies"}
         with open(arms.OUT / "distill_content.jsonl", "a") as log:

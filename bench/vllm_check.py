@@ -14,7 +14,8 @@
   native KV adapters, one whose text starts past N (folded at load), a composition and an input adapter, each reply
   against this library's `generate` (Completions, Chat, streams, a repeat, a burst with preemption);
 - `smol` (_vllm_smol.py): the real checkpoint at TP=1 behind the front and the connector: two native KV adapters (a
-  text start, trained a few steps), a `selected` distillation student (folded at load) and `--compose
+  text start, trained a few steps), a `selected` distillation student and one keeping its facts as the teacher's
+  keys/values (both folded at load) and `--compose
   kv-ab=kv-a,kv-b`, each reply (Completions, Chat, streams) against this library's `generate`;
 - `limit` (_vllm_smol.py): a second front with `--max-in-flight 4 --max-tokens-in-flight 96` fired 96 requests at
   once: each answered 200 or 429 with Retry-After, none lost, and the front serving after.
