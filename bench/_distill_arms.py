@@ -52,7 +52,7 @@ for _n in (8, 16, 64, 128):  # the N curve of the KV student
     ARMS[f"KV, selected start, 3 turns per part, answer weight 0.5, N={_n}"] = (3, 0.5, _n, *_KV, "selected")
 # A KV student keeping the facts (kept.txt) as the teacher's own keys/values: N counts them, "kept+n" selects n more.
 _KEPT_KV = (False, False, 0, True, "kv", "selected")
-for _n in (16, 32):
+for _n in (0, 16, 32):
     ARMS[f"KV, facts kept as keys/values, 3 turns per part, answer weight 0.5, N=kept+{_n}"] = (3, 0.5, _n, *_KEPT_KV)
 ARMS["KV, facts kept as keys/values, no part turns, N=kept+32"] = (0, 0.0, 32, *_KEPT_KV)
 ARMS["KV, facts kept as keys/values, greedy and quoted part replies, answer weight 0.5, N=kept+32"] = (
