@@ -200,3 +200,32 @@ def test_selected_on_a_sliding_window_base_is_refused_before_the_model_changes(t
             "--num-virtual-tokens", "6"]  # fmt: skip
     assert cli_main(argv) == 2
     assert words in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_n_left_to_the_default_is_32_selected_plus_the_kept_positions_at_most_the_turn(tok, chat_dir, tmp_path):  # noqa: F811
+    from peft import PeftModel
+
+    one = {**KW, "steps": 1}
+    plain = distill(_base(chat_dir), tok, SYSTEM, user_turns=USERS, **one)
+    assert plain.distill_report.options.num_virtual_tokens == 16
+    turn = len(prepare(tok, SYSTEM, True, 4).prefix_ids)
+    assert turn > 32  # so that 32 selected positions fit, and 32 plus the kept ones don't
+    assert distill(_base(chat_dir), tok, SYSTEM, **KV, **one).distill_report.options.num_virtual_tokens == 32
+    capped = distill(_base(chat_dir), tok, SYSTEM, keep_text=FACTS, **KV, **one).distill_report
+    assert capped.options.num_virtual_tokens == turn  # every position: the teacher
+    longer = SYSTEM + " then " + SYSTEM.replace(FACTS, "")
+    facts, frame = kept_positions(tok, prepare(tok, longer, True, 4), FACTS)
+    kept = len(set(facts) | set(frame) | {0})
+    assert kept + 32 < len(prepare(tok, longer, True, 4).prefix_ids)
+    report = distill(_base(chat_dir), tok, longer, keep_text=FACTS, **KV, **one).distill_report
+    assert report.options.num_virtual_tokens == kept + 32 and report.metrics()["kv_selected_positions"] == 32
+    (tmp_path / "system.txt").write_text(longer + "\n")
+    (tmp_path / "users.txt").write_text("\n".join(USERS) + "\n")
+    (tmp_path / "facts.txt").write_text(FACTS + "\n")
+    argv = ["distill", "--model", chat_dir, "--system-prompt-file", str(tmp_path / "system.txt"), "--out",
+            str(tmp_path / "out"), "--steps", "1", "--batch-size", "4", "--user-file", str(tmp_path / "users.txt"),
+            "--prompt-level", "kv", "--keep-file", str(tmp_path / "facts.txt")]  # fmt: skip
+    assert cli_main(argv) == 0
+    assert PeftModel.from_pretrained(_base(chat_dir), tmp_path / "out").peft_config["default"].num_virtual_tokens == (
+        kept + 32
+    )

@@ -185,11 +185,7 @@ def test_a_kv_student_writes_its_turns_by_self_study_unless_told_not_to(tok, cha
         assert ("by self-study" in model.distill_report.lines()[0]) is expected
 
 
-def test_the_prompt_text_loss_is_the_student_s_next_token_loss_on_the_system_turn_added_each_step(
-    tok,
-    chat_dir,
-    monkeypatch,  # noqa: F811
-):
+def test_the_prompt_text_loss_is_the_student_s_next_token_loss_on_the_system_turn(tok, chat_dir, monkeypatch):  # noqa: F811
     calls = _spy(monkeypatch, score, "text_nll")
     plain = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, user_turns=USERS, **KW)
     assert calls == []  # off by default

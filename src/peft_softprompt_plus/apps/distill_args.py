@@ -23,7 +23,13 @@ def add_parser(sub) -> None:
     distill.add_argument("--model", required=True, help="A transformers checkpoint folder, or 'smollm2'.")
     distill.add_argument("--system-prompt-file", required=True, help="A text file holding the system prompt.")
     distill.add_argument("--out", required=True, help="The folder to write the adapter to.")
-    distill.add_argument("--num-virtual-tokens", type=int, default=16, help="Soft tokens N (default 16).")
+    distill.add_argument(
+        "--num-virtual-tokens",
+        type=int,
+        default=None,
+        help="Soft tokens N (default 16 for an input student; for a KV one 32 selected positions, plus the kept ones "
+        "with --keep-file, at most the system turn's length).",
+    )
     distill.add_argument("--steps", type=int, default=200, help="Optimizer steps (default 200).")
     distill.add_argument(
         "--user-file", default=None, help="User turns, one per line (default: the teacher writes 64 itself)."
@@ -231,7 +237,7 @@ def _distill(args) -> int:
         weight = args.prompt_text_weight
         raise ValueError(f"`--prompt-text-weight` must be a finite number >= 0 (0: off), got {weight}.")
     for name in ("num_virtual_tokens", "steps", "batch_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}.")
     if not args.lr > 0:
         raise ValueError(f"`--lr` must be > 0, got {args.lr}.")

@@ -17,7 +17,8 @@ def main(args, system_prompt: str, user_turns, held_out_turns, probes=None) -> i
     """`softprompt-plus distill` once its arguments are checked (distill_args.py): distill with the options the flags
     name (`from_cli`), print, save."""
     path = fetch_checkpoint(args.model) if args.model in CHECKPOINTS else args.model
-    print(f"distilling {args.system_prompt_file} into {args.num_virtual_tokens} soft tokens of {path}", flush=True)
+    n = args.num_virtual_tokens or "the default number of"
+    print(f"distilling {args.system_prompt_file} into {n} soft tokens of {path}", flush=True)
     model = distill_prompt(
         AutoModelForCausalLM.from_pretrained(path),
         AutoTokenizer.from_pretrained(path),

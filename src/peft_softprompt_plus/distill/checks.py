@@ -6,12 +6,15 @@ from __future__ import annotations
 from . import content as distill_content
 
 INITS = {"input": ("text", "vocab", "random"), "kv": ("text", "vocab", "random", "selected")}
-# What `lr`, `prompt_init`, `self_study` and `kv_frozen_positions` left None mean for each student form: the recipe
-# measured best (bench/RESULTS.md, "KV students").
+# What `num_virtual_tokens`, `lr`, `prompt_init`, `self_study` and `kv_frozen_positions` left None mean for each
+# student form: the recipe measured best (bench/RESULTS.md, "KV students"). A KV student's N is its selected
+# positions, to which `keep_text`'s kept positions are added, capped at the system turn's length (prepare._kv_n).
 LEVEL_DEFAULTS = {
-    "input": {"lr": 3e-2, "prompt_init": "text", "self_study": False, "kv_frozen_positions": None},
-    "kv": {"lr": 1e-3, "prompt_init": "selected", "self_study": True, "kv_frozen_positions": 1},
-}
+    "input": {"num_virtual_tokens": 16, "lr": 3e-2, "prompt_init": "text", "self_study": False,
+              "kv_frozen_positions": None},
+    "kv": {"num_virtual_tokens": 32, "lr": 1e-3, "prompt_init": "selected", "self_study": True,
+           "kv_frozen_positions": 1},
+}  # fmt: skip
 
 
 def level_defaults(prompt_level, **given) -> dict:
@@ -83,6 +86,8 @@ def problems_of(model, o, user_turns, held_out_turns, probes) -> list[str]:
         found.append(f"`model` must be a base causal LM (not a PeftModel), got {type(model).__name__}.")
     for name in COUNTS:
         value = getattr(o, name)
+        if value is None and name == "num_virtual_tokens":  # a KV student's, left to prepare (kept + selected)
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             found.append(f"`{name}` must be an int >= 1, got {value!r}.")
     for name, turns in (("user_turns", user_turns), ("held_out_turns", held_out_turns)):

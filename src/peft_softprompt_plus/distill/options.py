@@ -24,7 +24,11 @@ class DistillOptions:
     (`checks.LEVEL_DEFAULTS`). See docs/distillation.md."""
 
     # The student.
-    num_virtual_tokens: int = _option(16, "Soft tokens N (a KV student: N keys/values per layer).")
+    num_virtual_tokens: Optional[int] = _option(
+        None,
+        "Soft tokens N (a KV student: N keys/values per layer). None: 16 for an input student; for a KV one 32 "
+        "selected positions, plus the kept ones with keep_text, at most the system turn's length.",
+    )
     prompt_level: str = _option("input", "'input' (N input vectors) or 'kv' (N keys/values per layer).")
     prompt_init: Optional[str] = _option(
         None, "The start: 'text', 'vocab', 'random', or for a KV student 'selected' (default: the form's own)."

@@ -15,7 +15,7 @@ from peft import PeftModel, get_peft_model
 from ..forward import semantics, validation
 from . import content as distill_content
 from . import data as distill_data
-from .checks import keep_text_form, level_defaults, level_problems, problems_of, study_problems
+from .checks import LEVEL_DEFAULTS, keep_text_form, level_defaults, level_problems, problems_of, study_problems
 from .options import DistillOptions
 from .teacher import (
     TEACHER,
@@ -58,6 +58,7 @@ class Preparation:
     # passage's (`keep_text`): the teacher's keys/values, never trained.
     kept_positions: tuple[int, ...] = ()
     facts: int = 0
+    options: Optional[DistillOptions] = None  # `o` as it ran: a KV student's default N settled
 
 
 def resolved(o: DistillOptions) -> DistillOptions:
@@ -67,6 +68,8 @@ def resolved(o: DistillOptions) -> DistillOptions:
         o.prompt_level, lr=o.lr, prompt_init=o.prompt_init, self_study=o.self_study,
         kv_frozen_positions=o.kv_frozen_positions,
     )  # fmt: skip
+    if o.num_virtual_tokens is None and o.prompt_level != "kv":  # a KV student's N needs the system turn: _kv_n
+        chosen["num_virtual_tokens"] = level_defaults(o.prompt_level, num_virtual_tokens=None)["num_virtual_tokens"]
     n = o.num_virtual_tokens
     if o.kv_frozen_positions is None and chosen["kv_frozen_positions"] and type(n) is int and n >= 1:
         chosen["kv_frozen_positions"] = min(chosen["kv_frozen_positions"], n - 1)
@@ -109,9 +112,11 @@ def _student_config(tokenizer, prompt: distill_data.Prepared, o: DistillOptions)
 
 
 def prepare(model, tokenizer, system_prompt: str, o: DistillOptions, given: Given, log) -> Preparation:
-    """Check, attach the student and the teacher, draw the samples (`o` resolved)."""
+    """Check, attach the student and the teacher, draw the samples (`o` resolved; a KV student's default N is
+    settled here, in `Preparation.options`)."""
     _check(model, system_prompt, o, given)
-    prompt = distill_data.prepare(tokenizer, system_prompt, o.chat, o.num_virtual_tokens)
+    prompt = distill_data.prepare(tokenizer, system_prompt, o.chat, o.num_virtual_tokens or 1)
+    o = _kv_n(tokenizer, prompt, o)
     kept, facts = _kv_check(model, tokenizer, prompt, o)
     if given.samples is not None and (given.samples.mode, given.samples.prefix_ids) != (
         prompt.mode,
@@ -143,8 +148,21 @@ def prepare(model, tokenizer, system_prompt: str, o: DistillOptions, given: Give
             samples.seconds = (time.perf_counter() - began, time.process_time() - began_cpu)
     gap = teacher_gap(model, prompt.prefix_ids, samples.train[0].ids)
     return Preparation(
-        model=model, prompt=prompt, samples=samples, teacher_gap=gap, pad_id=pad, kept_positions=kept, facts=facts
-    )
+        model=model, prompt=prompt, samples=samples, teacher_gap=gap, pad_id=pad, kept_positions=kept, facts=facts,
+        options=o,
+    )  # fmt: skip
+
+
+def _kv_n(tokenizer, prompt: distill_data.Prepared, o: DistillOptions) -> DistillOptions:
+    """`o` with a KV student's N left None settled: the selected positions of its recipe, plus `keep_text`'s kept
+    positions and the frozen sink, at most the system turn's length (every position: the teacher)."""
+    if o.num_virtual_tokens is not None:
+        return o
+    n = LEVEL_DEFAULTS["kv"]["num_virtual_tokens"]
+    if o.keep_text is not None and o.prompt_init == "selected":
+        facts, frame = distill_data.kept_positions(tokenizer, prompt, o.keep_text)
+        n += len(set(facts) | set(frame) | set(range(o.kv_frozen_positions or 0)))
+    return dataclasses.replace(o, num_virtual_tokens=min(n, len(prompt.prefix_ids)))
 
 
 def _kv_check(model, tokenizer, prompt: distill_data.Prepared, o: DistillOptions) -> tuple[tuple[int, ...], int]:

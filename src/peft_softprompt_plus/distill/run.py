@@ -47,6 +47,7 @@ def distill_prompt(
     log = progress or (lambda line: None)
     given = Given(user_turns=user_turns, held_out_turns=held_out_turns, probes=probes, samples=samples)
     prep = prepare(model, tokenizer, system_prompt, o, given, log)
+    o = prep.options
     began = start(prep, o)
 
     def evaluate() -> Figures:
