@@ -231,7 +231,7 @@ def main() -> None:
         if samples is None:
             kept.write_bytes(pickle.dumps(report.samples))
         model.save_pretrained(arms.adapter_dir(data, name + arms.knobs(args), args.seed))  # for --score-only
-        c = report.content
+        c, whole = report.content, prepare(tokenizer, system_prompt, True, 1)
         u, kept_only = _user_probes(model, tokenizer, data, system_prompt, teacher_replies, keep_text)
         results[name] = dict(
             prompt=data.name,
@@ -253,9 +253,8 @@ def main() -> None:
             train_cpu=report.train_cpu_seconds, knobs=arms.knobs(args),
             kv_selection="replies" if init == "selected" else None, num_virtual_tokens=n,
             kept_positions=report.kept_positions, facts=report.facts,
-            prompt_positions=len(prepare(tokenizer, system_prompt, True, 1).prefix_ids),
-            read_positions=n + (len(kept_ids(tokenizer, prepare(tokenizer, system_prompt, True, 1), keep_text, False))
-                                if keep_text is not None and level == "input" else 0),
+            prompt_positions=len(whole.prefix_ids),
+            read_positions=n + (len(kept_ids(tokenizer, whole, keep_text, False)) if level == "input" and keep else 0),
         )  # fmt: skip
         figures = {k: v for k, v in results[name].items() if k != "replies"}
         with open(arms.OUT / "distill_content.jsonl", "a") as log:

@@ -116,8 +116,9 @@ def prepare(model, tokenizer, system_prompt: str, o: DistillOptions, given: Give
     settled here, in `Preparation.options`)."""
     _check(model, system_prompt, o, given)
     prompt = distill_data.prepare(tokenizer, system_prompt, o.chat, o.num_virtual_tokens or 1)
-    o = _kv_n(tokenizer, prompt, o)
-    kept, facts = _kv_check(model, tokenizer, prompt, o)
+    held = _held(tokenizer, prompt, o)
+    o = _kv_n(prompt, o, held)
+    kept, facts = _kv_check(model, prompt, o, held)
     if given.samples is not None and (given.samples.mode, given.samples.prefix_ids) != (
         prompt.mode,
         prompt.prefix_ids,
@@ -153,19 +154,26 @@ def prepare(model, tokenizer, system_prompt: str, o: DistillOptions, given: Give
     )  # fmt: skip
 
 
-def _kv_n(tokenizer, prompt: distill_data.Prepared, o: DistillOptions) -> DistillOptions:
-    """`o` with a KV student's N left None settled: the selected positions of its recipe, plus `keep_text`'s kept
-    positions and the frozen sink, at most the system turn's length (every position: the teacher)."""
+def _held(tokenizer, prompt: distill_data.Prepared, o: DistillOptions):
+    """A `selected` KV student's positions that `keep_text` holds: (the passage's, with the template's, with the
+    frozen sink too), read once from the system turn's offsets; None without a kept passage."""
+    if o.prompt_level != "kv" or o.prompt_init != "selected" or o.keep_text is None:
+        return None
+    facts, frame = distill_data.kept_positions(tokenizer, prompt, o.keep_text)
+    kept = sorted(set(facts) | set(frame))
+    return facts, kept, set(kept) | set(range(o.kv_frozen_positions or 0))
+
+
+def _kv_n(prompt: distill_data.Prepared, o: DistillOptions, held) -> DistillOptions:
+    """`o` with a KV student's N left None settled: the selected positions of its recipe, plus the held ones (kept
+    and the frozen sink), at most the system turn's length (every position: the teacher)."""
     if o.num_virtual_tokens is not None:
         return o
-    n = LEVEL_DEFAULTS["kv"]["num_virtual_tokens"]
-    if o.keep_text is not None and o.prompt_init == "selected":
-        facts, frame = distill_data.kept_positions(tokenizer, prompt, o.keep_text)
-        n += len(set(facts) | set(frame) | set(range(o.kv_frozen_positions or 0)))
+    n = LEVEL_DEFAULTS["kv"]["num_virtual_tokens"] + (len(held[2]) if held else 0)
     return dataclasses.replace(o, num_virtual_tokens=min(n, len(prompt.prefix_ids)))
 
 
-def _kv_check(model, tokenizer, prompt: distill_data.Prepared, o: DistillOptions) -> tuple[tuple[int, ...], int]:
+def _kv_check(model, prompt: distill_data.Prepared, o: DistillOptions, held) -> tuple[tuple[int, ...], int]:
     """A `selected` KV student's checks that need the system turn's tokens: the sliding window, and the kept
     positions, which N counts (returned, with how many of them are the passage's)."""
     if o.prompt_level != "kv" or o.prompt_init != "selected":
@@ -179,11 +187,10 @@ def _kv_check(model, tokenizer, prompt: distill_data.Prepared, o: DistillOptions
             "teacher, exactly), another start (prompt_init='text', 'vocab' or 'random': a KV prompt at positions "
             "0..N-1), or prompt_level='input'."
         )
-    if o.keep_text is None:
+    if held is None:
         return (), 0
-    facts, frame = distill_data.kept_positions(tokenizer, prompt, o.keep_text)
-    kept = sorted(set(facts) | set(frame))
-    forced = set(kept) | set(range(o.kv_frozen_positions or 0))
+    facts, kept, forced = held
+    frame = set(kept) - set(facts)
     if len(forced) > n:
         raise ValueError(
             f"distill_prompt: `keep_text` covers {len(facts)} of the system turn's {s} positions, {len(forced)} with "
