@@ -404,10 +404,14 @@ def test_the_distillation_defaults_the_docs_state_are_the_code_s():
     assert f"lr {kv['lr']:.0e}".replace("e-0", "e-") in recipe and f"the `{kv['prompt_init']}` start" in recipe
     assert ("self-study" in recipe) == kv["self_study"]
     assert f"(`kv_frozen_positions` {kv['kv_frozen_positions']})" in recipe
+    assert f"N = {kv['num_virtual_tokens']} selected positions (plus the kept ones" in recipe
     assert f"reply positions of {SELECTION_ROWS} rows" in text
     api = (ROOT / "docs" / "api.md").read_text()
     start = api.index("`lr`, `prompt_init`, `self_study` and `kv_frozen_positions` left None")
     line = " ".join(api[start:].split("\n")[:3])
+    n = api[api.index("- `num_virtual_tokens` left None is") :][:200]
+    assert f"is {LEVEL_DEFAULTS['input']['num_virtual_tokens']} for an input" in n
+    assert f"for a KV one, {LEVEL_DEFAULTS['kv']['num_virtual_tokens']} selected" in n
     for level, d in LEVEL_DEFAULTS.items():
         assert f"{d['lr']:.0e}".replace("e-0", "e-") in line and f'`"{d["prompt_init"]}"`' in line, level
 
