@@ -77,15 +77,20 @@ def fake_vllm(
     kv_share: str | None = None,
     model: tuple[int, int, int] | None = None,
     streams: threading.Event | None = None,
+    block_size: int | None = None,
 ) -> FastAPI:
     """Answers like vLLM's `/v1/completions`: "hello world" per choice (streamed in two pieces when asked). A
     request's `user` asks for vLLM's failures: "fail-400" (its message names server paths), "fail-500",
     "break-stream" (an error event after the first piece) and "bad-line" (a line that is not JSON). With `kv_share`,
     it runs this package's KV connector reading that folder for an engine serving `model` (layers, KV heads, head
     size; the tiny GPT-2 by default), which marks the requests it matched; as vLLM 0.32 does, a stream carries no
-    mark. With `streams`, a KV request answered whole waits (2 s at most) for a stream to arrive, then clears it."""
+    mark. With `streams`, a KV request answered whole waits (2 s at most) for a stream to arrive, then clears it.
+    With `block_size`, it keeps vLLM's prefix cache of blocks that size (kv_connector_stub.PrefixCache), and each
+    choice's text says what the engine computed: the adapter's answer, the base's, or a wrong one."""
     app = FastAPI()
     connector = None if kv_share is None else kv_connector_stub.scheduler_connector(kv_share, model)
+    cache = None if block_size is None or connector is None else kv_connector_stub.PrefixCache(connector, block_size)
+    app.state.connector = connector
 
     @app.get("/v1/models")
     async def models():
@@ -131,12 +136,14 @@ def fake_vllm(
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(pieces(), media_type="text/event-stream")
-        mark = None if connector is None else kv_connector_stub.served_mark(connector, body)
+        text, mark = "hello world", None
+        if cache is not None:
+            text, mark = cache.run(body)
+        elif connector is not None:
+            mark = kv_connector_stub.served_mark(connector, body)
         if mark is not None:  # vLLM returns the connector's `request_finished` params with the answer
             head["kv_transfer_params"] = mark
-        choices = [
-            {"index": c, "text": "hello world", "finish_reason": "length", "logprobs": logprobs} for c in range(n)
-        ]
+        choices = [{"index": c, "text": text, "finish_reason": "length", "logprobs": logprobs} for c in range(n)]
         return {
             **head,
             "choices": choices,
@@ -146,12 +153,16 @@ def fake_vllm(
     return app
 
 
-def _adapter(base_dir, folder, seed: int, chat_format=None, prompt_level="input", **fields):
+def _adapter(base_dir, folder, seed: int, chat_format=None, prompt_level="input", num_virtual_tokens=4, **fields):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = SoftPromptPlusConfig(
-        task_type="CAUSAL_LM", num_virtual_tokens=4, chat_format=chat_format, prompt_level=prompt_level, **fields
+        task_type="CAUSAL_LM",
+        num_virtual_tokens=num_virtual_tokens,
+        chat_format=chat_format,
+        prompt_level=prompt_level,
+        **fields,
     )
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), config)
     model.save_pretrained(folder)
@@ -240,8 +251,9 @@ def test_a_completion_by_adapter_name_forwards_that_adapter_s_exact_embeddings(s
     assert sent.shape == (4 + len(ids), front.base.config.hidden_size)
     assert torch.equal(sent, _expected(stack, folders["plain"], ids))
     assert not torch.equal(sent, _expected(stack, folders["student"], ids))  # the other adapter's prompt differs
-    assert body["cache_salt"] == front.adapters["plain"].salt != front.adapters["student"].salt
-    assert front.adapters["plain"].salt == _saved_hash(folders["plain"])
+    plain, student = (front.salts.current(front.adapters[n].content) for n in ("plain", "student"))
+    assert body["cache_salt"] == plain != student and len(plain) == 32
+    assert front.adapters["plain"].content == _saved_hash(folders["plain"]) != plain  # secret: no client derives it
 
 
 def test_chat_is_formatted_the_way_each_adapter_was_trained(stack):
@@ -342,10 +354,10 @@ def test_models_lists_the_adapters_and_they_change_without_a_restart(stack):
     put = _http(stack, "PUT", "/v1/adapters/third", json={"path": third})
     assert put.status_code == 200 and put.json()["num_virtual_tokens"] == 4
     assert "third" in [m.id for m in client.models.list()]
-    salt = front.adapters["third"].salt
+    salt = front.salts.current(front.adapters["third"].content)
     replaced = _adapter(stack["base"], str(stack["root"] / "third-v2"), 4)
     assert _http(stack, "PUT", "/v1/adapters/third", json={"path": replaced}).status_code == 200
-    assert front.adapters["third"].salt != salt  # a replace changes the cache salt
+    assert front.salts.current(front.adapters["third"].content) != salt  # a replace changes the cache salt
     stack["record"].clear()
     client.completions.create(model="third", prompt="a", max_tokens=2)
     ids = front.tokenizer("a")["input_ids"]
@@ -516,12 +528,12 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
 
     front = stack["front"]
     share = stack["root"] / "kv-share"
-    share.mkdir(exist_ok=True)
+    share.mkdir(mode=0o750, exist_ok=True)
     kv = _adapter(stack["base"], str(stack["root"] / "kv-served"), 8, prompt_level="kv")
     front.kv_share = str(share)
     record: list = []
     elsewhere = stack["root"] / "kv-share-elsewhere"
-    elsewhere.mkdir(exist_ok=True)
+    elsewhere.mkdir(mode=0o750, exist_ok=True)
     upstreams = [
         _Server(fake_vllm(record, kv_share=str(share))),
         _Server(fake_vllm([])),
@@ -533,7 +545,7 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
         adapter = front.add("kv", kv)
         (published,) = share.glob("*.safetensors")
         assert published.stem == adapter.kv and adapter.positions == 4 and adapter.block is None
-        assert adapter.kv == adapter.salt == _saved_hash(kv)  # the input adapters' salt is the same function's
+        assert adapter.kv == adapter.content == _saved_hash(kv)  # the input adapters' content is the same function's
         assert torch.equal(load_file(str(published))["kv_prompt"], read_adapter(kv)[1])  # as read from disk
         client = openai.OpenAI(api_key=KEY, base_url=f"{servers[0].url}/v1", max_retries=0)
         answer = client.completions.create(model="kv", prompt="the cat", max_tokens=3)
@@ -541,8 +553,9 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
         (body,) = record
         ids = front.tokenizer("the cat")["input_ids"]
         assert body["prompt"] == [front.placeholder] * 4 + ids and "prompt_embeds" not in body
-        assert body["kv_transfer_params"] == {VLLM_KV_PARAM: adapter.kv} and body["cache_salt"] == adapter.kv
-        for _ in range(2):  # every stream is checked, beside it: a request of one computed position, not a prefill
+        assert body["kv_transfer_params"] == {VLLM_KV_PARAM: adapter.kv}
+        assert body["cache_salt"] == front.salts.current(adapter.content) != adapter.kv  # the share names no salt
+        for _ in range(2):  # every stream is checked after its first chunk: a request of one computed position
             pieces = client.completions.create(model="kv", prompt="the cat", max_tokens=3, stream=True, n=2)
             assert [[x.text for x in c.choices] for c in pieces] == [["hello"] * 2, [" world"] * 2]
         streamed = [b for b in record[1:] if b.get("stream")]
@@ -550,10 +563,9 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
         assert [b["prompt"] for b in streamed] == [body["prompt"]] * 2
         assert checks == [{**{k: body[k] for k in ("model", "cache_salt", "kv_transfer_params")}, "max_tokens": 1,
                            "prompt": [front.placeholder] * 4 + ids[:1]}] * 2  # fmt: skip
-        assert adapter.kv in front.verified
         beside = openai.OpenAI(api_key=KEY, base_url=f"{servers[3].url}/v1", max_retries=0)
         pieces = beside.completions.create(model="kv", prompt="the cat", max_tokens=3, stream=True)
-        assert [c.choices[0].text for c in pieces] == ["hello", " world"]  # its check was answered: sent beside it
+        assert [c.choices[0].text for c in pieces] == ["hello", " world"]  # its check was sent once it streamed
         # A vLLM started without the connector, or with one reading another folder, would read the placeholders as
         # text: refused, streamed or not, though the same KV prompt was seen applied by another engine.
         for server in servers[1:3]:

@@ -29,8 +29,11 @@ def share(tmp_path):
     return str(tmp_path), digest
 
 
+SALT = "a" * 32
+
+
 def _answer(connector, digest: str) -> dict:
-    body = fields(digest, POSITIONS, placeholder=7, ids=[11, 12, 13])
+    body = {**fields(digest, POSITIONS, placeholder=7, ids=[11, 12, 13]), "cache_salt": SALT}
     return {"choices": [{"text": "hello"}], "kv_transfer_params": kv_connector_stub.served_mark(connector, body)}
 
 
@@ -68,35 +71,70 @@ def test_a_file_planted_under_the_prompt_s_name_is_a_502_and_the_connector_raise
 
 
 class _Engine:
-    """The front's `Upstream` as `open_checked` uses it: a stream that opens after `open_s`, and a check's answer."""
+    """The front's `Upstream` as `open_checked` uses it: a stream of two chunks, and a check's answer; it records the
+    order things happen in."""
 
-    def __init__(self, answer: dict, open_s: float):
-        self.answer, self.open_s, self.closed, self.opened = answer, open_s, [], []
+    def __init__(self, answer: dict):
+        self.answer, self.events = answer, []
 
     async def open_stream(self, payload: bytes):
-        await asyncio.sleep(self.open_s)
-        self.opened.append(json.loads(payload))
+        self.events.append("opened")
         engine = self
 
         class Response:
             async def aclose(self):
-                engine.closed.append(True)
+                engine.events.append("closed")
 
         return Response()
 
+    async def chunks(self, response):
+        try:
+            for text in ("hello", " world"):
+                self.events.append(f"chunk {text!r}")
+                yield {"choices": [{"text": text}]}
+        finally:
+            await response.aclose()
+
     async def post(self, payload: bytes) -> dict:
-        await asyncio.sleep(0.05)
+        self.events.append("checked")
         return dict(self.answer)
 
 
-@pytest.mark.parametrize("open_s", [0.0, 0.5])  # the stream opened before the check answers, or still opening
-def test_a_stream_whose_check_fails_is_closed_or_never_opened_and_is_a_502(share, open_s):
+def test_a_stream_is_checked_after_its_first_chunk_and_closed_as_a_502_when_the_check_fails(share):
+    """The check goes once the stream's first chunk came: by then the engine has matched the stream's KV prompt, so
+    a stream the connector refused has retired its salt, and the check under that salt is refused too."""
     folder, digest = share
     payload = json.dumps(fields(digest, POSITIONS, placeholder=7, ids=[11, 12, 13])).encode()
-    refused = _Engine({"kv_transfer_params": {VLLM_KV_REFUSED: "the reason"}}, open_s)
+    refused = _Engine({"kv_transfer_params": {VLLM_KV_REFUSED: "the reason"}})
     with pytest.raises(FrontError, match="did not apply the KV prompt: the reason") as caught:
         asyncio.run(open_checked(refused, payload, digest, POSITIONS))
-    assert caught.value.status == 502
-    assert (refused.opened, refused.closed) == (([json.loads(payload)], [True]) if open_s == 0 else ([], []))
-    served = _Engine({"kv_transfer_params": {VLLM_KV_SERVED: digest}}, open_s)
-    assert asyncio.run(open_checked(served, payload, digest, POSITIONS)) is not None and served.closed == []
+    assert caught.value.status == 502 and caught.value.reason == "kv_refused"
+    assert refused.events[:3] == ["opened", "chunk 'hello'", "checked"] and set(refused.events[3:]) == {"closed"}
+
+    async def relayed(engine):
+        response, chunks = await open_checked(engine, payload, digest, POSITIONS)
+        return [c["choices"][0]["text"] async for c in chunks]
+
+    served = _Engine({"kv_transfer_params": {VLLM_KV_SERVED: digest}})
+    assert asyncio.run(relayed(served)) == ["hello", " world"]
+    assert served.events == ["opened", "chunk 'hello'", "checked", "chunk ' world'", "closed"]
+
+
+def test_a_refused_salt_refuses_every_later_request_under_it_and_a_fresh_salt_is_served(share):
+    """The connector's `SaltBook`: once a request under a salt ran without its KV prompt, no request under that salt
+    is served the prompt (its blocks may be the placeholders'), while another salt is."""
+    folder, digest = share
+    connector = kv_connector_stub.scheduler_connector(folder)
+    body = {**fields(digest, POSITIONS, placeholder=7, ids=[11, 12, 13]), "cache_salt": SALT}
+    assert kv_connector_stub.served_mark(connector, body) == {VLLM_KV_SERVED: digest}
+    torn = {**body, "kv_transfer_params": {"softprompt_plus_kv": "ab" * 16}}  # a file that isn't there
+    assert VLLM_KV_REFUSED in kv_connector_stub.served_mark(connector, torn)
+    mark = kv_connector_stub.served_mark(connector, body)
+    assert "was retired (a request under it was refused)" in mark[VLLM_KV_REFUSED]
+    assert kv_connector_stub.served_mark(connector, {**body, "cache_salt": "b" * 32}) == {VLLM_KV_SERVED: digest}
+    plain = {"prompt": body["prompt"], "cache_salt": "b" * 32}  # placeholders as text under a KV prompt's salt
+    assert kv_connector_stub.served_mark(connector, plain) is None
+    mark = kv_connector_stub.served_mark(connector, {**body, "cache_salt": "b" * 32})
+    assert "a request that named no KV prompt ran under it" in mark[VLLM_KV_REFUSED]
+    unsalted = {k: v for k, v in body.items() if k != "cache_salt"}
+    assert "must carry a `cache_salt`" in kv_connector_stub.served_mark(connector, unsalted)[VLLM_KV_REFUSED]

@@ -1,10 +1,11 @@
 """The share files vLLM's KV connector reads (`integrations/kv_connector_core.py`) as `softprompt-plus serve`
 publishes them: each is hashed again, with the config in its metadata, the first time a process reads it, so a
 planted, stale or torn file is refused with its reason (0 matched positions, nothing raised inside vLLM), and a
-verified one costs a lookup per request after that."""
+verified one costs a lookup per request while the process's cache, bounded in bytes, keeps it."""
 
 from unittest import mock
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -56,9 +57,21 @@ def test_a_planted_or_stale_share_file_matches_nothing_and_says_why(tmp_path):
     assert core.match(folder, right, MODEL, 9, 0) == (POSITIONS, None)
 
 
-def test_a_share_file_is_hashed_once_per_process(tmp_path):
-    digest = _publish(tmp_path, torch.randn(4, 2, 2, POSITIONS, HEAD_SIZE), CONFIG)
+def test_a_share_file_is_hashed_once_while_kept_and_again_once_pushed_out_by_bytes(tmp_path):
+    values = [torch.randn(4, 2, 2, POSITIONS, HEAD_SIZE) for _ in range(3)]  # 1,536 bytes each
+    digests = [_publish(tmp_path, v, {**CONFIG, "init_seed": i}) for i, v in enumerate(values)]
+    cache = core.PromptCache(max_bytes=2 * values[0].numel() * 4)  # room for two
     with mock.patch.object(core, "verified_prompt", wraps=core.verified_prompt) as verify:
         for computed in (0, 2, 4):
-            assert core.match(str(tmp_path), digest, MODEL, 9, computed) == (POSITIONS - computed, None)
-    assert verify.call_count == 1  # then one lookup per request: a content-addressed file never changes
+            assert core.match(str(tmp_path), digests[0], MODEL, 9, computed, cache) == (POSITIONS - computed, None)
+        assert verify.call_count == 1  # then one lookup per request while it is kept
+        for digest in digests[1:]:
+            cache(str(tmp_path), digest)
+        assert cache.bytes == 2 * values[0].numel() * 4 and verify.call_count == 3
+        assert torch.equal(cache(str(tmp_path), digests[0]), values[0])  # pushed out by the third: read again
+        assert verify.call_count == 4
+        assert torch.equal(cache(str(tmp_path), digests[2]), values[2]) and verify.call_count == 4  # still kept
+    with pytest.raises(ValueError, match="`cache_bytes` must be a whole number of bytes .* got -1"):
+        core.PromptCache(-1)
+    tiny = core.PromptCache(max_bytes=10)  # too small to keep any: each read is checked, and served
+    assert torch.equal(tiny(str(tmp_path), digests[1]), values[1]) and tiny.bytes == 0

@@ -8,8 +8,9 @@ caching). The base model by its own name is forwarded as token ids. With `--allo
 `PUT /v1/adapters/{name}` `{"path": DIR}` adds or replaces an adapter without a restart, and `DELETE` removes it.
 Needs the `serve` extra (FastAPI, uvicorn, httpx).
 
-The event loop only moves bytes: parsing, tokenizing, templating, building embeddings and adapter changes run in
-worker threads.
+The event loop moves bytes and counts: parsing, tokenizing, templating, building embeddings, adapter changes and every
+share-file operation (publishing, hashing, restoring, removing) run in worker threads, and the loop never waits on
+their locks.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .serve_front import Front
+from .serve_front import Front, Outgoing
 from .serve_kv import check_served, open_checked
-from .serve_ops import RETRY_AFTER_S, Ops, Ticket
+from .serve_ops import HEALTH_INTERVAL_S, RETRY_AFTER_S, Ops, Ticket
 from .serve_replies import as_chat, as_chat_chunk, merged
-from .serve_requests import LOOPBACK_HOSTS, FrontError, parse
+from .serve_requests import LOOPBACK_HOSTS, FrontError, Limits, parse
 from .serve_upstream import Upstream, log
 
 
@@ -41,11 +42,12 @@ def build_app(
     api_key: Optional[str] = None,
     allow_adapter_updates: bool = False,
     allowed_hosts: Optional[tuple[str, ...]] = LOOPBACK_HOSTS,
+    health_interval: float = HEALTH_INTERVAL_S,
 ) -> FastAPI:
     """The ASGI app. `allowed_hosts`: the names a request's Host header may carry (None: any), so a web page can't
-    reach a loopback front through DNS rebinding."""
+    reach a loopback front through DNS rebinding; `health_interval`: seconds one check of the engine is trusted."""
     engine = Upstream(upstream, upstream_model)
-    ops = Ops(front, engine, upstream_model)
+    ops = Ops(front, engine, upstream_model, health_interval)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -95,7 +97,7 @@ def build_app(
     @app.put("/v1/adapters/{name}")
     async def put_adapter(name: str, request: Request):
         _updates_allowed()
-        body = await _body(request, front.limits.max_body_bytes)
+        body = await _body(request, front.limits)
         folder = body.get("path")
         if not isinstance(folder, str):
             raise FrontError(400, f"`path` must be the adapter's local folder (a string), got {folder!r:.80}.")
@@ -120,66 +122,105 @@ def build_app(
     async def _answer(route: str, request: Request):
         ticket = Ticket(route)  # counted, and its place in flight freed, however it ends (serve_ops.py)
         try:
-            return await _served(ticket, request)
+            return await asyncio.wait_for(_served(ticket, request), front.limits.request_timeout)
+        except asyncio.TimeoutError:
+            err = _timed_out(front.limits.request_timeout)
+            if ticket.outgoing is not None:  # cut off, it may have run on the placeholders
+                await ops.not_served(ticket.outgoing, err)
+            ops.finish(ticket, err.status, err.reason)
+            raise err from None
         except FrontError as err:
-            ops.finish(ticket, err.status)
+            ops.finish(ticket, err.status, err.reason)
             raise
         except BaseException:
             ops.finish(ticket, 500)
             raise
 
     async def _served(ticket: Ticket, request: Request):
-        body = await _body(request, front.limits.max_body_bytes)
+        body = await _body(request, front.limits)
         ticket.model = body.get("model")
         call = await asyncio.to_thread(parse, ticket.route, body, front.limits)
         ops.admit(ticket, call)
         room = await engine.max_model_len()
-        adapter, payloads = await asyncio.to_thread(front.bodies, call, upstream_model, room)
+        outgoing = await asyncio.to_thread(front.bodies, call, upstream_model, room, ops.reserver(ticket))
+        adapter, payloads = outgoing.adapter, outgoing.payloads
+        ticket.outgoing = outgoing
         ops.hold(ticket, adapter)
         kv = adapter.kv if adapter is not None else None
         chat = ticket.route == "chat"
-        if call.stream:  # an error before the stream is returned is still an HTTP status
-            if kv is None:
-                response = await engine.open_stream(payloads[0])
-            else:  # a stream can't be taken back, and vLLM streams no connector mark: each one is checked beside it
-                response = await open_checked(engine, payloads[0], kv, adapter.positions)
-                front.verified.add(kv)
-            return _Stream(_relay(response, call.model, chat, call.top_logprobs, ticket), response, ops, ticket)
-        answers = [check_served(a, kv) for a in await asyncio.gather(*(engine.post(p) for p in payloads))]
-        if kv is not None:
-            front.verified.add(kv)
+        try:
+            if call.stream:  # an error before the stream is returned is still an HTTP status
+                if kv is None:
+                    response = await engine.open_stream(payloads[0])
+                    chunks = engine.chunks(response)
+                else:  # a stream can't be taken back, and vLLM streams no connector mark: each one is checked
+                    response, chunks = await open_checked(engine, payloads[0], kv, adapter.positions)
+                relay = _relay(chunks, call.model, chat, call.top_logprobs, ticket, outgoing)
+                return _Stream(relay, response, ops, ticket)
+            answers = [check_served(a, kv) for a in await asyncio.gather(*(engine.post(p) for p in payloads))]
+        except FrontError as err:
+            await ops.not_served(outgoing, err)
+            raise
         answer = merged(answers, call.n)
         ticket.usage = answer.get("usage")
         ops.finish(ticket, 200)
         return as_chat(answer, call.model, call.top_logprobs) if chat else {**answer, "model": call.model}
 
-    async def _relay(response, name: str, chat: bool, top: Optional[int], ticket: Ticket):
+    async def _relay(chunks, name: str, chat: bool, top: Optional[int], ticket: Ticket, outgoing: Outgoing):
         first = True
+        deadline = ticket.started + front.limits.request_timeout
         try:
-            async for chunk in engine.chunks(response):
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(chunks, None), max(0.0, deadline - time.perf_counter()))
+                except asyncio.TimeoutError:
+                    await chunks.aclose()
+                    raise _timed_out(front.limits.request_timeout) from None
+                if chunk is None:
+                    break
                 ticket.usage = chunk.get("usage") or ticket.usage  # sent when the client asks (`include_usage`)
                 yield _sse(as_chat_chunk(chunk, name, first, top) if chat else {**chunk, "model": name})
                 first = False
             yield "data: [DONE]\n\n"
         except FrontError as err:  # mid-stream: the status line is sent, so an OpenAI-style error event
-            ops.finish(ticket, err.status)
+            await ops.not_served(outgoing, err)
+            ops.finish(ticket, err.status, err.reason)
             yield _sse({"error": {"message": str(err), "type": "server_error", "code": err.status}})
 
     return app
 
 
-async def _body(request: Request, limit: int) -> dict:
-    """The request's JSON object, refused (413) past `limit` bytes before it is all read, parsed off the loop."""
+async def _body(request: Request, limits: Limits) -> dict:
+    """The request's JSON object, refused past `--max-body-bytes` (413) before it is all read or past
+    `--body-timeout` seconds (408), parsed off the loop."""
+    limit = limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise FrontError(
-            413, f"the request body is {declared} bytes; this front takes at most {limit} (--max-body-bytes)."
+            413,
+            f"the request body is {declared} bytes; this front takes at most {limit} (--max-body-bytes).",
+            "max_body_bytes",
         )
     data = bytearray()
-    async for piece in request.stream():
-        data += piece
-        if len(data) > limit:
-            raise FrontError(413, f"the request body is over {limit} bytes, this front's limit (--max-body-bytes).")
+
+    async def read() -> None:
+        async for piece in request.stream():
+            data.extend(piece)
+            if len(data) > limit:
+                raise FrontError(
+                    413,
+                    f"the request body is over {limit} bytes, this front's limit (--max-body-bytes).",
+                    "max_body_bytes",
+                )
+
+    try:
+        await asyncio.wait_for(read(), limits.body_timeout)
+    except asyncio.TimeoutError:
+        raise FrontError(
+            408,
+            f"the request body took over {limits.body_timeout} s to arrive (--body-timeout): send it whole.",
+            "body_timeout",
+        ) from None
     try:
         body = await asyncio.to_thread(json.loads, bytes(data))
     except ValueError as err:
@@ -191,7 +232,7 @@ async def _body(request: Request, limit: int) -> dict:
 
 class _Stream(StreamingResponse):
     """A relayed stream whose request is finished (`Ops.finish`) and upstream response closed once it ends, also where
-    its body never started (the client gone first)."""
+    its body never started (the client gone first). Its wall-clock limit is `_relay`'s."""
 
     def __init__(self, content, upstream, ops: Ops, ticket: Ticket):
         super().__init__(content, media_type="text/event-stream")
@@ -234,6 +275,12 @@ def _host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
+def _timed_out(seconds: int) -> FrontError:
+    return FrontError(
+        504, f"the request took over {seconds} s (--request-timeout): lower max_tokens or retry.", "request_timeout"
+    )
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
@@ -264,6 +311,7 @@ def main(args) -> int:
         args.api_key,
         args.allow_adapter_updates,
         args.allowed_hosts,
+        args.health_interval,
     )
     print(
         f"serving {front.base_name} and adapters {sorted(front.adapters)} on http://{args.host}:{args.port}/v1 in "

@@ -11,6 +11,8 @@ import urllib.request
 
 from .serve_requests import LOOPBACK_HOSTS, Limits
 
+HEALTH_INTERVAL_S = 10  # `--health-interval`: how long one check of the engine and its connector is trusted
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -90,6 +92,13 @@ def add_parser(sub) -> None:
         help="NAME=A,B: serve the KV adapters A, B (loaded with --adapter) composed under NAME, their caches in this "
         "order, as set_adapter(['A', 'B']) reads them (repeatable).",
     )
+    serve.add_argument(
+        "--health-interval",
+        type=_positive("--health-interval"),
+        default=HEALTH_INTERVAL_S,
+        help="Seconds one check of the engine and its KV connector is trusted: GET /health checks again, against the "
+        f"engine as it is now, once it is older. Default {HEALTH_INTERVAL_S}.",
+    )
     for f in dataclasses.fields(Limits):
         flag = "--" + f.name.replace("_", "-")
         serve.add_argument(
@@ -127,7 +136,10 @@ def _serve(args) -> int:
             "SOFTPROMPT_PLUS_API_KEY) so that only your clients can."
         )
     if args.kv_share is not None:
-        os.makedirs(args.kv_share, exist_ok=True)
+        from .serve_share import FOLDER_MODE, check_folder
+
+        os.makedirs(args.kv_share, mode=FOLDER_MODE, exist_ok=True)
+        check_folder(args.kv_share)
     given = tuple(h.lower() for h in args.allowed_host)
     # A loopback front always answers to loopback names; a public one to any name unless some are given.
     args.allowed_hosts = (None if not given else given) if public else LOOPBACK_HOSTS + given
@@ -136,6 +148,7 @@ def _serve(args) -> int:
     try:
         import fastapi  # noqa: F401
         import httpx  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as err:
         raise ValueError(

@@ -47,7 +47,7 @@ def composition(name: str, parts: tuple[str, ...], adapters: dict, model_config,
     n = values.shape[-2]
     digest = publish({"prompt_level": "kv", "num_virtual_tokens": n, "kv_text_start": n}, values)
     folders = ", ".join(adapters[p].folder for p in parts)
-    fields = dict(num_virtual_tokens=n, positions=n, salt=digest, kv=digest, kv_values=None, kv_start=None)
+    fields = dict(num_virtual_tokens=n, positions=n, content=digest, kv=digest, kv_values=None, kv_start=None)
     return dataclasses.replace(
         adapters[parts[0]], name=name, folder=folders, folded_from=folded_from, parts=parts, **fields
     )

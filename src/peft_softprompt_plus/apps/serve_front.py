@@ -16,7 +16,7 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from jinja2 import TemplateError
@@ -31,6 +31,7 @@ from ..integrations.serving import prompt_block, text_embeddings
 from . import serve_kv, serve_kv_fit, serve_share
 from .serve_compose import Compositions
 from .serve_requests import Call, FrontError, Limits
+from .serve_salts import Salts
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's Completions default
 
@@ -42,7 +43,7 @@ class Adapter:
     num_virtual_tokens: int
     chat_format: str  # "template" or "student"
     positions: int  # what the prompt takes in front of the text: hard prefix + N + hard suffix (KV: N)
-    salt: str  # vLLM's `cache_salt`: the adapter's content hash (files/content_hash.py), so tenants never share blocks
+    content: str  # its content hash (files/content_hash.py): its `cache_salt` derives from it (serve_salts.py)
     block: Optional[torch.Tensor] = None  # [P+N+S, D] an input prompt's prefix, soft rows and suffix
     kv: Optional[str] = None  # a KV prompt: its content hash, the file vLLM's connector reads (serve_kv.py)
     first_hard: Optional[int] = None  # the prefix's first id (a BOS there means the text must not bring its own)
@@ -50,6 +51,26 @@ class Adapter:
     kv_start: Optional[int] = None  # where its text starts (`kv_text_start`) for `kv_values`
     folded_from: Optional[int] = None  # the text start the published keys were folded from to N (None: not moved)
     parts: tuple[str, ...] = ()  # a composition's KV adapters, in order (`--compose`)
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A request as it goes to vLLM: the adapter it names (None: the base), the `cache_salt` its bodies carry, the
+    bodies, and the bytes they were counted at (`prompt_bytes`)."""
+
+    adapter: Optional[Adapter]
+    salt: Optional[str]
+    payloads: list[bytes]
+    size: int
+
+
+def prompt_bytes(adapter: Optional[Adapter], tokens: int, width: int) -> int:
+    """What one prompt's upstream body takes in the front's memory at its peak: an input adapter's `[P+N+S+L, D]`
+    float32 rows, their `torch.save` bytes in base64 and the JSON body holding those; else its ids as JSON."""
+    if adapter is None or adapter.block is None:
+        return 64 + 8 * ((adapter.positions if adapter is not None else 0) + tokens)
+    raw = (adapter.positions + tokens) * width * 4
+    return raw + 2 * (4 * (raw + 1024) // 3)  # + the base64 text, + the JSON body holding it
 
 
 class Front(Compositions):
@@ -73,7 +94,9 @@ class Front(Compositions):
         self.limits = limits or Limits()
         self.engine_scales = engine_scales  # does the engine multiply embeddings by the model's scale itself?
         self.kv_share = kv_share  # where KV prompts are published for vLLM's connector (None: KV adapters refused)
-        self.verified: set[str] = set()  # KV prompts the engine was seen to apply
+        if kv_share is not None:
+            serve_share.check_folder(kv_share)
+        self.salts = Salts()  # each adapter's `cache_salt`, secret, moved after a request ran without its KV prompt
         self.model: Optional[PeftModel] = None
         self.adapters: dict[str, Adapter] = {}
         self.compositions: dict[str, tuple[str, ...]] = {}  # name -> its KV adapters, rebuilt when one is replaced
@@ -122,8 +145,8 @@ class Front(Compositions):
             adapter = Adapter(name, folder, n, chat, n, digest, kv=digest, **kept)
         else:
             first = (config.get("prompt_prefix_ids") or [None])[0]
-            salt = content_hash(config, {SAVED_KEY: prompt})  # the saved prompt: the block's other rows come from ids
-            adapter = Adapter(name, folder, n, chat, values.shape[0], salt, values, first_hard=first)
+            content = content_hash(config, {SAVED_KEY: prompt})  # the saved prompt: the block's rows beside it are ids
+            adapter = Adapter(name, folder, n, chat, values.shape[0], content, values, first_hard=first)
         self._swap_in(name, adapter)  # with the compositions that name it rebuilt (serve_compose.py)
         return adapter
 
@@ -183,8 +206,16 @@ class Front(Compositions):
             raise FrontError(404, f"model {model!r} is not served here: GET /v1/models lists what is.")
         return adapter
 
-    def bodies(self, call: Call, upstream_model: str, max_model_len: Optional[int]) -> tuple[Optional[Adapter], list]:
-        """The adapter `call` names, and one vLLM `/v1/completions` body per prompt of `call`, as JSON bytes."""
+    def bodies(
+        self,
+        call: Call,
+        upstream_model: str,
+        max_model_len: Optional[int],
+        reserve: Optional[Callable[[int], None]] = None,
+    ) -> Outgoing:
+        """The adapter `call` names, the salt its bodies carry, and one vLLM `/v1/completions` body per prompt of
+        `call`, as JSON bytes. `reserve(bytes)` is told what the bodies will take before any embedding is built (it
+        raises to refuse them: the front's `--max-prompt-bytes-in-flight`)."""
         adapter = self.resolve(call.model)
         if call.route == "chat":
             rows = [self._chat_ids(adapter, call.prompts[0])]
@@ -193,6 +224,10 @@ class Front(Compositions):
             rows = [self._completion_ids(adapter, p, i if many else None) for i, p in enumerate(call.prompts)]
         known = [x for x in (self.max_positions, max_model_len) if x is not None]
         limit = min(known) if known else None
+        size = sum(prompt_bytes(adapter, len(ids), self.embedding.embedding_dim) for ids in rows)
+        if reserve is not None:
+            reserve(size)
+        salt = self.salts.current(adapter.content) if adapter is not None else None
         out = []
         for ids in rows:
             body = {**call.options, "model": upstream_model, "max_tokens": self._max_tokens(call, adapter, ids, limit)}
@@ -205,10 +240,10 @@ class Front(Compositions):
                 body.update(serve_kv.fields(adapter.kv, adapter.positions, self.placeholder, ids))
             else:
                 body["prompt_embeds"] = self._embeds_b64(adapter, ids)
-            if adapter is not None:  # tenants never share cache blocks (for KV, the placeholders are the same ids)
-                body["cache_salt"] = adapter.salt
+            if salt is not None:  # tenants never share cache blocks (for KV, the placeholders are the same ids)
+                body["cache_salt"] = salt
             out.append(json.dumps(body).encode())
-        return adapter, out
+        return Outgoing(adapter, salt, out, size)
 
     def _max_tokens(self, call: Call, adapter: Optional[Adapter], ids: list[int], limit: Optional[int]) -> int:
         used = (adapter.positions if adapter is not None else 0) + len(ids)

@@ -1,11 +1,17 @@
 """What an operator reads and bounds on `softprompt-plus serve`: `GET /health` (the engine reachable, the KV connector
-applying KV prompts), `GET /metrics` (Prometheus text, by `prometheus_client`) and the limits on the work in flight,
-past which a request is a 429 with `Retry-After`. Everything here runs on the event loop: its counts take no lock.
+applying KV prompts, checked again at most every `--health-interval` seconds), `GET /metrics` (Prometheus text, by
+`prometheus_client`), the limits on the work in flight, past which a request is a 429 with `Retry-After`, and what
+follows a KV request the engine did not serve with its prompt (its salt moved, its file written again). Everything
+here runs on the event loop (its counts take no lock) except the prompt bytes, which worker threads reserve.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -14,10 +20,12 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from . import serve_kv
-from .serve_front import COMPLETION_DEFAULT_MAX_TOKENS, Adapter, Front
+from .serve_args import HEALTH_INTERVAL_S
+from .serve_front import COMPLETION_DEFAULT_MAX_TOKENS, Adapter, Front, Outgoing
 from .serve_requests import Call, FrontError
 from .serve_upstream import Upstream
 
+log = logging.getLogger("peft_softprompt_plus.serve")
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: a request in flight takes about that long to free its place
 UNKNOWN = "unknown"  # the adapter label of a request that names nothing served: clients can't add label sets
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # a reply takes ms to minutes
@@ -35,15 +43,25 @@ class Ticket:
     digest: Optional[str] = None  # the KV share file it reads
     usage: Optional[dict] = None
     done: bool = False
+    prompt_bytes: int = 0  # reserved by `Ops.reserve` while its bodies are built, freed when it is answered
+    outgoing: Optional[Outgoing] = None  # what was sent to the engine
 
 
 class Ops:
     """The limits, the metrics and the health checks of one front and its engine."""
 
-    def __init__(self, front: Front, engine: Upstream, upstream_model: str):
+    def __init__(
+        self, front: Front, engine: Upstream, upstream_model: str, health_interval: float = HEALTH_INTERVAL_S
+    ):
         self.front, self.engine, self.upstream_model = front, engine, upstream_model
+        self.health_interval = health_interval
         self.requests_in_flight = 0
         self.tokens_in_flight = 0
+        self.prompt_bytes_in_flight = 0  # reserved from worker threads: under `_bytes_lock`
+        self._bytes_lock = threading.Lock()
+        self._health: Optional[tuple[float, tuple[int, dict]]] = None  # (when, the last check's answer)
+        self._health_lock: Optional[asyncio.Lock] = None
+        self._probe_turn = itertools.count()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("softprompt_plus_requests", "Requests answered.", ["adapter", "route"], registry=r)
@@ -69,6 +87,18 @@ class Ops:
         Gauge(
             "softprompt_plus_tokens_in_flight", "prompts x n x max_tokens of the requests in flight.", registry=r
         ).set_function(lambda: self.tokens_in_flight)
+        Gauge(
+            "softprompt_plus_prompt_bytes_in_flight", "Bytes the prompts of the requests in flight take.", registry=r
+        ).set_function(lambda: self.prompt_bytes_in_flight)
+        self.refusals = Counter(
+            "softprompt_plus_refusals",
+            "Requests refused or cut off, by why: a limit's flag, or why the engine did not apply a KV prompt.",
+            ["reason"],
+            registry=r,
+        )
+        self.salts_moved = Counter(
+            "softprompt_plus_kv_salts_moved", "KV adapters moved to a fresh cache salt after a refusal.", registry=r
+        )
         ProcessCollector(registry=r)  # the front's own CPU seconds and memory
         self._series: dict[str, set] = {}  # adapter label -> (metric, label values) recorded: DELETE forgets them
 
@@ -86,22 +116,53 @@ class Ops:
                 f"the request asks for {tokens} tokens (prompts x n x max_tokens), more than this front takes in "
                 f"flight at all ({limits.max_tokens_in_flight}, --max-tokens-in-flight): lower n or max_tokens, or "
                 "split it.",
+                "max_tokens_in_flight",
             )
         if self.requests_in_flight >= limits.max_in_flight:
             raise FrontError(
                 429,
                 f"{self.requests_in_flight} requests are in flight, this front's limit "
                 "(--max-in-flight): retry after the Retry-After header's seconds.",
+                "max_in_flight",
             )
         if self.tokens_in_flight + tokens > limits.max_tokens_in_flight:
             raise FrontError(
                 429,
                 f"the requests in flight ask for {self.tokens_in_flight} tokens; with this one's {tokens} that is "
                 f"past this front's {limits.max_tokens_in_flight} (--max-tokens-in-flight): retry after Retry-After.",
+                "max_tokens_in_flight",
             )
         ticket.tokens, ticket.admitted = tokens, True
         self.requests_in_flight += 1
         self.tokens_in_flight += tokens
+
+    def reserver(self, ticket: Ticket):
+        """What `Front.bodies` calls with the bytes a request's bodies will take, from its worker thread: counted in
+        flight, or refused (a 400 alone past the limit, else a 429)."""
+
+        def reserve(size: int) -> None:
+            limit = self.front.limits.max_prompt_bytes_in_flight
+            if size > limit:
+                raise FrontError(
+                    400,
+                    f"the request's prompts take {size} bytes in the front (an input adapter's rows as base64), more "
+                    f"than it takes in flight at all ({limit}, --max-prompt-bytes-in-flight): send fewer or shorter "
+                    "prompts per request.",
+                    "max_prompt_bytes_in_flight",
+                )
+            with self._bytes_lock:
+                if self.prompt_bytes_in_flight + size > limit:
+                    raise FrontError(
+                        429,
+                        f"the requests in flight take {self.prompt_bytes_in_flight} bytes for their prompts; with "
+                        f"this one's {size} that is past this front's {limit} (--max-prompt-bytes-in-flight): retry "
+                        "after Retry-After.",
+                        "max_prompt_bytes_in_flight",
+                    )
+                self.prompt_bytes_in_flight += size
+                ticket.prompt_bytes = size
+
+        return reserve
 
     def hold(self, ticket: Ticket, adapter: Optional[Adapter]) -> None:
         """Keep the KV share file `adapter` reads until the request is answered."""
@@ -111,16 +172,22 @@ class Ops:
             raise FrontError(404, f"adapter {adapter.name!r} was removed while this request was read.")
         ticket.digest = adapter.kv
 
-    def finish(self, ticket: Ticket, status: int) -> None:
-        """The request answered with `status`: its place, tokens and share file freed, and it is counted."""
+    def finish(self, ticket: Ticket, status: int, reason: Optional[str] = None) -> None:
+        """The request answered with `status` (refused for `reason`): its place, tokens, bytes and share file freed,
+        and it is counted."""
         if ticket.done:
             return
         ticket.done = True
         if ticket.admitted:
             self.requests_in_flight -= 1
             self.tokens_in_flight -= ticket.tokens
+        if ticket.prompt_bytes:
+            with self._bytes_lock:
+                self.prompt_bytes_in_flight -= ticket.prompt_bytes
+        if reason is not None:
+            self.refusals.labels(reason).inc()
         if ticket.digest is not None:
-            self.front.share.release(ticket.digest)
+            self.front.share.release(ticket.digest)  # a file no longer used is removed off the loop
         adapter = self.label(ticket.model)
         self._count(self.requests, adapter, ticket.route).inc()
         self._count(self.seconds, adapter, ticket.route).observe(time.perf_counter() - ticket.started)
@@ -151,17 +218,42 @@ class Ops:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
+    # ------------------------------------------------------------------ KV requests not served
+
+    async def not_served(self, outgoing: Outgoing, err: FrontError) -> None:
+        """A KV request that came back without the connector's mark, failed in the engine or was cut off: it may
+        have run on the placeholders, whose blocks vLLM caches under its salt. The adapter moves to a fresh salt (the
+        connector retired the old one where it refused it), and its share file is written again from memory (a torn
+        or removed one is why it was refused), before the client hears of it: a retry is served."""
+        adapter = outgoing.adapter
+        if adapter is None or adapter.kv is None or outgoing.salt is None or 400 <= err.status < 500:
+            return  # not a KV request, or the engine refused it before it ran
+        if self.front.salts.retire(adapter.content, outgoing.salt):
+            self.salts_moved.inc()
+            try:
+                await asyncio.to_thread(self.front.share.restore, adapter.kv)
+            except OSError as failure:
+                log.error("could not write the KV prompt %s to the share again: %s", adapter.kv, failure)
+
     # ------------------------------------------------------------------ health
 
     async def health(self) -> tuple[int, dict]:
         """200 when requests can be served (the engine answers, and KV adapters' prompts are applied), else 503;
-        each check says what it found."""
-        checks = {"engine": await self._engine_check()}
-        checks["kv"] = (
-            await self._connector_check() if checks["engine"]["ok"] else {"ok": False, "detail": "not checked"}
-        )
-        ok = all(c["ok"] for c in checks.values())
-        return (200 if ok else 503), {"status": "ok" if ok else "unavailable", "checks": checks}
+        each check says what it found. Checked against the engine as it is now at most every `health_interval`
+        seconds; between checks the last answer is returned."""
+        if self._health_lock is None:
+            self._health_lock = asyncio.Lock()
+        async with self._health_lock:  # one check at a time: callers meanwhile get its answer
+            if self._health is not None and time.monotonic() - self._health[0] < self.health_interval:
+                return self._health[1]
+            checks = {"engine": await self._engine_check()}
+            checks["kv"] = (
+                await self._connector_check() if checks["engine"]["ok"] else {"ok": False, "detail": "not checked"}
+            )
+            ok = all(c["ok"] for c in checks.values())
+            answer = (200 if ok else 503), {"status": "ok" if ok else "unavailable", "checks": checks}
+            self._health = (time.monotonic(), answer)
+            return answer
 
     async def _engine_check(self) -> dict:
         try:
@@ -176,29 +268,36 @@ class Ops:
         return {"ok": True, "detail": "the engine answers /v1/models and serves the model."}
 
     async def _connector_check(self) -> dict:
-        """Are the KV adapters' files in the share, and does the engine's connector apply them? A prompt seen applied
-        (by a request or an earlier check) is trusted; else one is sent for one token."""
+        """Are every KV adapter's files in the share, and does the engine's connector apply them now? One adapter a
+        check, in turn, is sent for one token under a salt of its own (a refused probe leaves its placeholders'
+        blocks to no one)."""
         kv = [a for a in self.front.adapters.values() if a.kv is not None]
         if not kv:
             off = "KV adapters are off (no --kv-share)." if self.front.kv_share is None else "no KV adapter is loaded."
             return {"ok": True, "detail": off}
-        missing = self.front.share.missing({a.kv for a in kv})
+        missing = await asyncio.to_thread(self.front.share.missing, {a.kv for a in kv})
         if missing:
-            return {"ok": False, "detail": f"{len(missing)} KV prompt files are missing from the share (--kv-share)."}
-        if not any(a.kv in self.front.verified for a in kv):
-            adapter = kv[0]
-            ticket = Ticket("health")
-            try:
-                self.hold(ticket, adapter)
-                probe = {"model": self.upstream_model, "max_tokens": 1, "cache_salt": adapter.kv}
-                probe.update(
-                    serve_kv.fields(adapter.kv, adapter.positions, self.front.placeholder, [self.front.placeholder])
-                )
-                serve_kv.check_served(await self.engine.post(json.dumps(probe).encode()), adapter.kv)
-            except FrontError as err:
-                return {"ok": False, "detail": str(err)}
-            finally:
-                if ticket.digest is not None:
-                    self.front.share.release(ticket.digest)
-            self.front.verified.add(adapter.kv)
-        return {"ok": True, "detail": f"the engine's KV connector applies KV prompts ({len(kv)} KV adapters)."}
+            for digest in missing:  # the next check finds them again
+                await asyncio.to_thread(self.front.share.restore, digest)
+            return {
+                "ok": False,
+                "detail": f"{len(missing)} KV prompt files were missing from the share (--kv-share); written again.",
+            }
+        adapter = kv[next(self._probe_turn) % len(kv)]
+        ticket = Ticket("health")
+        try:
+            self.hold(ticket, adapter)
+            probe = {"model": self.upstream_model, "max_tokens": 1, "cache_salt": self.front.salts.probe()}
+            probe.update(
+                serve_kv.fields(adapter.kv, adapter.positions, self.front.placeholder, [self.front.placeholder])
+            )
+            serve_kv.check_served(await self.engine.post(json.dumps(probe).encode()), adapter.kv)
+        except FrontError as err:
+            return {"ok": False, "detail": str(err)}
+        finally:
+            if ticket.digest is not None:
+                self.front.share.release(ticket.digest)
+        return {
+            "ok": True,
+            "detail": f"the engine's KV connector applied {adapter.name!r} just now ({len(kv)} KV adapters).",
+        }

@@ -14,11 +14,14 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # the Host names a loopback 
 
 
 class FrontError(Exception):
-    """A request or an adapter the front refuses: `status` is the HTTP status the client gets."""
+    """A request or an adapter the front refuses: `status` is the HTTP status the client gets; `reason`, where set,
+    labels it in `/metrics` (`softprompt_plus_refusals_total`): a limit's flag name, or why a KV prompt wasn't applied.
+    """
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, reason: Optional[str] = None):
         super().__init__(message)
         self.status = status
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,20 @@ class Limits:
     max_tokens_in_flight: int = field(
         default=1 << 20,  # the largest one request may ask under the defaults above: 32 prompts x n=8 x 4096 tokens
         metadata={"help": "Most tokens asked in flight: prompts x n x max_tokens summed over requests (429 above)."},
+    )
+    max_prompt_bytes_in_flight: int = field(
+        default=1 << 30,
+        metadata={
+            "help": "Most bytes the requests in flight may take in the front's memory for their prompts (an input "
+            "adapter's float32 rows, base64 and JSON; 429 above, 400 for one request alone past it)."
+        },
+    )
+    body_timeout: int = field(
+        default=30, metadata={"help": "Seconds a client may take to send its request body (408 past it)."}
+    )
+    request_timeout: int = field(
+        default=600,
+        metadata={"help": "Seconds a request may take from its first byte to its answer's last (504 past it)."},
     )
 
     def __post_init__(self):

@@ -13,10 +13,11 @@ The mapping follows vLLM 0.32 (recorded from its own helpers by `tests/integrati
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -28,7 +29,8 @@ from .._names import VLLM_KV_PARAM as PARAM
 from .._names import VLLM_KV_TENSOR as TENSOR
 from ..files.content_hash import NOT_COMPUTED, content_hash
 
-_HASH = re.compile(r"^[0-9a-f]{16,64}$")
+HASH = re.compile(r"[0-9a-f]{16,64}")  # whole strings only (fullmatch): `$` would take a trailing newline
+DEFAULT_CACHE_BYTES = 1 << 30  # `kv_connector_extra_config.cache_bytes`: verified prompts kept per process
 CONFIG_KEY = "softprompt_plus_config"  # a share file's metadata: the config its content hash counts, as JSON
 
 
@@ -78,19 +80,46 @@ def verified_prompt(path: str, digest: str) -> torch.Tensor:
     return tensors[TENSOR]
 
 
-@functools.lru_cache(maxsize=64)
-def shared_prompt(folder: str, digest: str) -> torch.Tensor:
-    """`folder/digest.safetensors` as float32 `[layers, 2, Hkv, N, hd]`, checked against `digest` the first time this
-    process reads it (`verified_prompt`). Content-addressed, a verified file never changes: later reads are one
-    lookup. A refused file is not kept, so it is checked again at its next read."""
-    if not _HASH.match(digest):
-        raise ValueError(f"`{PARAM}` must be a content hash (hex), got {digest!r}.")
-    return verified_prompt(os.path.join(folder, f"{digest}.safetensors"), digest)
+class PromptCache:
+    """The verified KV prompts one process has read (`verified_prompt`), bounded in bytes, least recently used first
+    out: a content-addressed file that hashed right never changes, so a kept one is served without reading it again;
+    one pushed out is read and hashed again at its next use (on vLLM's scheduler thread: keep the bound above the
+    prompts served at once). A refused file is never kept."""
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"`cache_bytes` must be a whole number of bytes (0 or more), got {max_bytes!r}.")
+        self.max_bytes = max_bytes
+        self._kept: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # vLLM calls a connector from one thread; the front's tests from several
+
+    def __call__(self, folder: str, digest: str) -> torch.Tensor:
+        """`folder/digest.safetensors` as float32 `[layers, 2, Hkv, N, hd]`, checked against `digest` unless kept."""
+        if not isinstance(digest, str) or not HASH.fullmatch(digest):
+            raise ValueError(f"`{PARAM}` must be a content hash (16 to 64 lowercase hex digits), got {digest!r:.80}.")
+        key = (folder, digest)
+        with self._lock:
+            if key in self._kept:
+                self._kept.move_to_end(key)
+                return self._kept[key]
+        prompt = verified_prompt(os.path.join(folder, f"{digest}.safetensors"), digest)
+        size = prompt.numel() * prompt.element_size()
+        with self._lock:
+            if size <= self.max_bytes and key not in self._kept:
+                self._kept[key] = prompt
+                self._bytes += size
+                while self._bytes > self.max_bytes:
+                    _, out = self._kept.popitem(last=False)
+                    self._bytes -= out.numel() * out.element_size()
+        return prompt
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
 
 
-def prompt_hash(kv_transfer_params: Optional[dict]) -> Optional[str]:
-    """The KV prompt a request names (None: the request is not this connector's)."""
-    return (kv_transfer_params or {}).get(PARAM)
+shared_prompt = PromptCache()  # the process's own cache, where a caller brings none
 
 
 def prompt_misfit(shape: tuple[int, ...], model: ModelShape) -> Optional[str]:
@@ -103,12 +132,20 @@ def prompt_misfit(shape: tuple[int, ...], model: ModelShape) -> Optional[str]:
     return f"the KV prompt has {', '.join(wrong)}: it was trained on another model" if wrong else None
 
 
-def match(folder: str, digest: str, model: ModelShape, prompt_tokens: int, computed: int) -> tuple[int, Optional[str]]:
+def match(
+    folder: str,
+    digest: str,
+    model: ModelShape,
+    prompt_tokens: int,
+    computed: int,
+    prompts: Callable[[str, str], torch.Tensor] = shared_prompt,
+) -> tuple[int, Optional[str]]:
     """How many of a request's next positions the connector writes (`computed` are in the cache already), or 0 and
-    the reason it writes none. The count is never rounded to a block: padding would shift the text."""
+    the reason it writes none; `prompts` reads the share (a `PromptCache`). The count is never rounded to a block:
+    padding would shift the text."""
     try:
-        shape = tuple(shared_prompt(folder, digest).shape)
-    except (OSError, ValueError, KeyError) as err:
+        shape = tuple(prompts(folder, digest).shape)
+    except Exception as err:  # noqa: BLE001  any file at all may be there: a raise inside vLLM stops the engine
         return 0, f"the KV prompt {digest!r} can't be read from {folder}: {err}"
     misfit = prompt_misfit(shape, model)
     if misfit is not None:
