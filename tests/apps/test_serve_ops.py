@@ -224,6 +224,8 @@ def test_a_burst_past_max_in_flight_is_answered_200_or_429_with_retry_after_and_
         for n, c in zip(counted, ({}, {"code": "429"}), strict=True)
     )
     assert (total, refused) == (17, 12) and _value(after, "softprompt_plus_requests_in_flight") == 0
+    limited = _value(after, "softprompt_plus_refusals_total", reason="max_in_flight")
+    assert limited - _value(before, "softprompt_plus_refusals_total", reason="max_in_flight") == 12
 
 
 def test_tokens_in_flight_are_bounded_by_prompts_x_n_x_max_tokens(ops):
@@ -289,7 +291,7 @@ def test_share_files_are_rehashed_group_readable_and_removed_once_nothing_reads_
     finally:
         gate.set()
     assert held["a"].status_code == 200 and seen[0]["kv_transfer_params"] == {VLLM_KV_PARAM: digests["kv-a"]}
-    assert list(share.iterdir()) == []
+    _wait_for(lambda: list(share.iterdir()) == [])  # removed off the loop once the request is answered
     assert front.share.hold(digests["kv-a"]) is False  # a request that resolved it just before: refused, not sent
 
 
@@ -302,3 +304,128 @@ def test_a_client_s_kv_transfer_params_or_cache_salt_is_refused_by_name(ops, rou
     answer = _post(ops["url"]["plain"], {**body, name: value}, route)
     assert answer.status_code == 400
     assert answer.json()["error"]["message"].startswith(f"`{name}` is not accepted from clients: ")
+
+
+def test_prompt_bytes_in_flight_are_bounded_and_counted(ops):
+    """An input adapter's request builds `[N+L, D]` float32 rows, base64 and JSON: counted before they are built."""
+    from peft_softprompt_plus.apps.serve_ops import prompt_bytes
+
+    front, gate, seen, url = ops["front"], ops["gate"], ops["seen"], ops["url"]["gated"]
+    ids = len(front.tokenizer("a b c")["input_ids"])
+    one = prompt_bytes(front.adapters["plain"], ids, front.base.config.hidden_size)
+    assert one > (4 + ids) * front.base.config.hidden_size * 4 * 2  # the rows, and their base64 twice over
+    before = _samples(url)
+    front.limits = dataclasses.replace(front.limits, max_prompt_bytes_in_flight=one + one // 2)
+    gate.clear()
+    seen.clear()
+    held = {}
+    try:
+        worker = threading.Thread(target=lambda: held.update(a=_post(url, {"model": "plain", "prompt": "a b c"})))
+        worker.start()
+        _wait_for(lambda: len(seen) == 1)
+        assert _value(_samples(url), "softprompt_plus_prompt_bytes_in_flight") == one
+        second = _post(url, {"model": "plain", "prompt": "a b c"})
+        assert second.status_code == 429 and "--max-prompt-bytes-in-flight" in second.text
+        assert second.headers["retry-after"] == "1"
+        alone = _post(url, {"model": "plain", "prompt": ["a b c", "a b c"]})  # two rows: past the limit alone
+        assert alone.status_code == 400 and f"more than it takes in flight at all ({one + one // 2}" in alone.text
+        gate.set()
+        worker.join(WAIT_S)
+    finally:
+        front.limits = dataclasses.replace(front.limits, max_prompt_bytes_in_flight=1 << 30)
+        gate.set()
+    assert held["a"].status_code == 200
+    after = _samples(url)
+    assert _value(after, "softprompt_plus_prompt_bytes_in_flight") == 0
+    reason = {"reason": "max_prompt_bytes_in_flight"}
+    assert (
+        _value(after, "softprompt_plus_refusals_total", **reason)
+        - _value(before, "softprompt_plus_refusals_total", **reason)
+        == 2
+    )
+
+
+def test_a_slow_body_is_a_408_and_a_slow_request_a_504_each_counted(ops):
+    import socket
+
+    front, gate, url = ops["front"], ops["gate"], ops["url"]["gated"]
+    before = _samples(url)
+    front.limits = dataclasses.replace(front.limits, body_timeout=1, request_timeout=3)
+    gate.clear()
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=WAIT_S) as raw:
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            raw.sendall((head + "Content-Length: 100\r\n\r\n" + '{"model": "plain",').encode())  # and no more
+            started = time.perf_counter()
+            reply = b""
+            while b"}}" not in reply:  # the head, then the JSON error
+                piece = raw.recv(4096)
+                assert piece, reply
+                reply += piece
+            assert reply.startswith(b"HTTP/1.1 408") and b"--body-timeout" in reply
+            assert 0.9 < time.perf_counter() - started < 2.5
+        front.limits = dataclasses.replace(front.limits, request_timeout=1)
+        started = time.perf_counter()
+        slow = _post(url, {"model": "plain", "prompt": "a", "max_tokens": 2})  # held upstream past the limit
+        assert slow.status_code == 504 and "--request-timeout" in slow.text and time.perf_counter() - started < 5
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={"model": "plain", "prompt": "a", "stream": True}, timeout=WAIT_S
+        ) as stream:
+            assert stream.status_code == 504  # held before its first byte: still an HTTP status
+    finally:
+        front.limits = dataclasses.replace(front.limits, body_timeout=30, request_timeout=600)
+        gate.set()
+    after = _samples(url)
+    for reason, count in (("body_timeout", 1), ("request_timeout", 2)):
+        counted = _value(after, "softprompt_plus_refusals_total", reason=reason)
+        assert counted - _value(before, "softprompt_plus_refusals_total", reason=reason) == count
+    assert _value(after, "softprompt_plus_requests_in_flight") == 0
+    assert _post(url, {"model": "plain", "prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize(("mode", "owner", "why"), [
+    (0o755, None, "has mode 755: others may list it"),
+    (0o770, None, "has mode 770"),
+    (0o777, None, "has mode 777"),
+    (0o750, 4321, "belongs to user id 4321, not to this front's"),
+])  # fmt: skip
+def test_the_share_folder_must_be_the_front_s_own_and_closed_to_others(tmp_path, mode, owner, why):
+    from peft_softprompt_plus.apps.serve_share import check_folder
+
+    share = tmp_path / "share"
+    share.mkdir()
+    os.chmod(share, mode)
+    if owner is not None:
+        os.chown(share, owner, -1)
+    with pytest.raises(ValueError, match=f"`--kv-share`=.* {why}"):
+        check_folder(str(share))
+    os.chmod(share, 0o751)  # others may pass through to a file they know the name of, not list it
+    if owner is None:
+        check_folder(str(share))
+
+
+def test_the_cli_makes_a_missing_share_folder_closed_and_refuses_an_open_one(tmp_path, monkeypatch, capsys):
+    from peft_softprompt_plus.apps import serve
+    from peft_softprompt_plus.apps.cli import main
+
+    monkeypatch.setattr(serve, "main", lambda args: 0)
+    base = save_tiny(str(tmp_path / "tiny-base"))
+    share = tmp_path / "made" / "share"
+    common = ["serve", "--base", base, "--upstream", "http://127.0.0.1:9"]
+    assert main([*common, "--kv-share", str(share)]) == 0
+    assert stat.S_IMODE(share.stat().st_mode) == 0o750
+    os.chmod(share, 0o777)
+    assert main([*common, "--kv-share", str(share)]) == 2
+    assert f"error: `--kv-share`={str(share)!r} has mode 777" in capsys.readouterr().err
+
+
+def test_serving_without_prometheus_client_names_the_serve_extra(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from peft_softprompt_plus.apps.cli import main
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # not installed
+    base = save_tiny(str(tmp_path / "tiny-base"))
+    assert main(["serve", "--base", base, "--upstream", "http://127.0.0.1:9"]) == 2
+    assert "serving needs the `serve` extra: pip install 'peft-softprompt-plus[serve]'" in capsys.readouterr().err

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import time
 import uuid
 from typing import Optional
@@ -28,10 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .serve_front import Front, Outgoing
+from .serve_http import Gate, error, read_body, sse, timed_out
 from .serve_kv import check_served, open_checked
 from .serve_ops import HEALTH_INTERVAL_S, RETRY_AFTER_S, Ops, Ticket
 from .serve_replies import as_chat, as_chat_chunk, merged
-from .serve_requests import LOOPBACK_HOSTS, FrontError, Limits, parse
+from .serve_requests import LOOPBACK_HOSTS, FrontError, parse
 from .serve_upstream import Upstream, log
 
 
@@ -56,11 +55,11 @@ def build_app(
 
     app = FastAPI(title="softprompt-plus serve", lifespan=lifespan)
     wanted = f"Bearer {api_key}".encode() if api_key is not None else None
-    app.add_middleware(_Gate, wanted=wanted, hosts=allowed_hosts)
+    app.add_middleware(Gate, wanted=wanted, hosts=allowed_hosts)
 
     @app.exception_handler(FrontError)
     async def _refused(request: Request, err: FrontError):
-        response = _error(err.status, str(err))
+        response = error(err.status, str(err))
         if err.status == 429:
             response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
@@ -69,11 +68,11 @@ def build_app(
     async def _failed(request: Request, err: Exception):
         ticket = uuid.uuid4().hex[:12]
         log.error("request %s failed", ticket, exc_info=err)
-        return _error(500, f"internal error {ticket}: the front's log has the details.", "server_error")
+        return error(500, f"internal error {ticket}: the front's log has the details.", "server_error")
 
     @app.get("/health")
     async def health():
-        status, report = await ops.health()
+        status, report = await ops.health()  # serve_health.py
         return JSONResponse(report, status_code=status)
 
     @app.get("/metrics")
@@ -97,7 +96,7 @@ def build_app(
     @app.put("/v1/adapters/{name}")
     async def put_adapter(name: str, request: Request):
         _updates_allowed()
-        body = await _body(request, front.limits)
+        body = await read_body(request, front.limits)
         folder = body.get("path")
         if not isinstance(folder, str):
             raise FrontError(400, f"`path` must be the adapter's local folder (a string), got {folder!r:.80}.")
@@ -124,7 +123,7 @@ def build_app(
         try:
             return await asyncio.wait_for(_served(ticket, request), front.limits.request_timeout)
         except asyncio.TimeoutError:
-            err = _timed_out(front.limits.request_timeout)
+            err = timed_out(front.limits.request_timeout)
             if ticket.outgoing is not None:  # cut off, it may have run on the placeholders
                 await ops.not_served(ticket.outgoing, err)
             ops.finish(ticket, err.status, err.reason)
@@ -137,7 +136,7 @@ def build_app(
             raise
 
     async def _served(ticket: Ticket, request: Request):
-        body = await _body(request, front.limits)
+        body = await read_body(request, front.limits)
         ticket.model = body.get("model")
         call = await asyncio.to_thread(parse, ticket.route, body, front.limits)
         ops.admit(ticket, call)
@@ -175,59 +174,19 @@ def build_app(
                     chunk = await asyncio.wait_for(anext(chunks, None), max(0.0, deadline - time.perf_counter()))
                 except asyncio.TimeoutError:
                     await chunks.aclose()
-                    raise _timed_out(front.limits.request_timeout) from None
+                    raise timed_out(front.limits.request_timeout) from None
                 if chunk is None:
                     break
                 ticket.usage = chunk.get("usage") or ticket.usage  # sent when the client asks (`include_usage`)
-                yield _sse(as_chat_chunk(chunk, name, first, top) if chat else {**chunk, "model": name})
+                yield sse(as_chat_chunk(chunk, name, first, top) if chat else {**chunk, "model": name})
                 first = False
             yield "data: [DONE]\n\n"
         except FrontError as err:  # mid-stream: the status line is sent, so an OpenAI-style error event
             await ops.not_served(outgoing, err)
             ops.finish(ticket, err.status, err.reason)
-            yield _sse({"error": {"message": str(err), "type": "server_error", "code": err.status}})
+            yield sse({"error": {"message": str(err), "type": "server_error", "code": err.status}})
 
     return app
-
-
-async def _body(request: Request, limits: Limits) -> dict:
-    """The request's JSON object, refused past `--max-body-bytes` (413) before it is all read or past
-    `--body-timeout` seconds (408), parsed off the loop."""
-    limit = limits.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise FrontError(
-            413,
-            f"the request body is {declared} bytes; this front takes at most {limit} (--max-body-bytes).",
-            "max_body_bytes",
-        )
-    data = bytearray()
-
-    async def read() -> None:
-        async for piece in request.stream():
-            data.extend(piece)
-            if len(data) > limit:
-                raise FrontError(
-                    413,
-                    f"the request body is over {limit} bytes, this front's limit (--max-body-bytes).",
-                    "max_body_bytes",
-                )
-
-    try:
-        await asyncio.wait_for(read(), limits.body_timeout)
-    except asyncio.TimeoutError:
-        raise FrontError(
-            408,
-            f"the request body took over {limits.body_timeout} s to arrive (--body-timeout): send it whole.",
-            "body_timeout",
-        ) from None
-    try:
-        body = await asyncio.to_thread(json.loads, bytes(data))
-    except ValueError as err:
-        raise FrontError(400, f"the request body must be JSON: {err}") from err
-    if not isinstance(body, dict):
-        raise FrontError(400, f"the request body must be a JSON object, got {type(body).__name__}.")
-    return body
 
 
 class _Stream(StreamingResponse):
@@ -244,49 +203,6 @@ class _Stream(StreamingResponse):
         finally:
             self.ops.finish(self.ticket, 200)  # nothing, where an error event finished it
             await self.upstream.aclose()
-
-
-class _Gate:
-    """The Host and key checks, as plain ASGI (starlette's `BaseHTTPMiddleware` costs a task and a stream each
-    request)."""
-
-    def __init__(self, app, wanted: Optional[bytes], hosts: Optional[tuple[str, ...]]):
-        self.app, self.wanted, self.hosts = app, wanted, hosts
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])  # lower-case byte names, as ASGI gives them
-        host = _host_name(headers.get(b"host", b"").decode("latin-1"))
-        if self.hosts is not None and host not in self.hosts:
-            refusal = _error(400, f"the Host header {host!r} is not one this front answers to (--allowed-host).")
-        elif self.wanted is not None and not hmac.compare_digest(headers.get(b"authorization", b""), self.wanted):
-            message = "missing or wrong API key: send `Authorization: Bearer <key>`."
-            refusal = _error(401, message, "authentication_error")
-        else:
-            return await self.app(scope, receive, send)
-        await refusal(scope, receive, send)
-
-
-def _host_name(host: str) -> str:
-    host = host.strip().lower()
-    if host.startswith("["):  # [::1]:8100
-        return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-
-
-def _timed_out(seconds: int) -> FrontError:
-    return FrontError(
-        504, f"the request took over {seconds} s (--request-timeout): lower max_tokens or retry.", "request_timeout"
-    )
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
 
 
 def main(args) -> int:

@@ -9,9 +9,7 @@ import json
 import os
 import urllib.request
 
-from .serve_requests import LOOPBACK_HOSTS, Limits
-
-HEALTH_INTERVAL_S = 10  # `--health-interval`: how long one check of the engine and its connector is trusted
+from .serve_requests import HEALTH_INTERVAL_S, LOOPBACK_HOSTS, Limits
 
 LOOPBACK = "127.0.0.1"
 

@@ -110,4 +110,4 @@ class Compositions:
 
     def _release(self, held: list) -> None:
         for digest in held:
-            self.share.release(digest)
+            self.share.release(digest, wait=True)  # a worker thread: the files go before the PUT answers

@@ -55,22 +55,12 @@ class Adapter:
 
 @dataclass(frozen=True)
 class Outgoing:
-    """A request as it goes to vLLM: the adapter it names (None: the base), the `cache_salt` its bodies carry, the
-    bodies, and the bytes they were counted at (`prompt_bytes`)."""
+    """A request as it goes to vLLM: the adapter it names (None: the base), the `cache_salt` its bodies carry, and the
+    bodies."""
 
     adapter: Optional[Adapter]
     salt: Optional[str]
     payloads: list[bytes]
-    size: int
-
-
-def prompt_bytes(adapter: Optional[Adapter], tokens: int, width: int) -> int:
-    """What one prompt's upstream body takes in the front's memory at its peak: an input adapter's `[P+N+S+L, D]`
-    float32 rows, their `torch.save` bytes in base64 and the JSON body holding those; else its ids as JSON."""
-    if adapter is None or adapter.block is None:
-        return 64 + 8 * ((adapter.positions if adapter is not None else 0) + tokens)
-    raw = (adapter.positions + tokens) * width * 4
-    return raw + 2 * (4 * (raw + 1024) // 3)  # + the base64 text, + the JSON body holding it
 
 
 class Front(Compositions):
@@ -128,7 +118,7 @@ class Front(Compositions):
         kv = config.get("prompt_level") == "kv"
         if kv and self.kv_share is None:
             raise FrontError(400, serve_kv.refusal(name, folder))
-        self._check_fits(name, folder, config, None if kv else prompt.shape[-1])
+        serve_kv_fit.check_base(name, folder, config, self.base_name, self.base.config.hidden_size, prompt, kv)
         if kv:  # before vLLM's connector ever sees it
             serve_kv_fit.check_shape(name, folder, config, tuple(prompt.shape), self.engine)
             serve_kv_fit.check_foldable(name, folder, config, self.base.config)
@@ -177,23 +167,7 @@ class Front(Compositions):
             self._check_uncomposed(name)
             self.adapters = {k: v for k, v in self.adapters.items() if k != name}
             self.compositions = {k: v for k, v in self.compositions.items() if k != name}
-        self.share.release()
-
-    def _check_fits(self, name: str, folder: str, config: dict, width: Optional[int]) -> None:
-        trained_on = config.get("base_model_name_or_path") or ""
-        other = os.path.basename(os.path.normpath(trained_on)) if trained_on else ""
-        if other and other != self.base_name:
-            raise FrontError(
-                400,
-                f"adapter {name!r} ({folder}) was trained on {trained_on!r}, not on this server's base "
-                f"{self.base_name!r}. Serve it with a front started on that base.",
-            )
-        if width is not None and width != self.base.config.hidden_size:
-            raise FrontError(
-                400,
-                f"adapter {name!r} ({folder}) holds a prompt {width} wide, but this base's hidden size is "
-                f"{self.base.config.hidden_size}: it was trained on another model.",
-            )
+        self.share.release(wait=True)  # a worker thread: the file goes before the DELETE answers
 
     # ------------------------------------------------------------------ requests
 
@@ -211,11 +185,11 @@ class Front(Compositions):
         call: Call,
         upstream_model: str,
         max_model_len: Optional[int],
-        reserve: Optional[Callable[[int], None]] = None,
+        reserve: Optional[Callable[[Optional[Adapter], list[int]], None]] = None,
     ) -> Outgoing:
         """The adapter `call` names, the salt its bodies carry, and one vLLM `/v1/completions` body per prompt of
-        `call`, as JSON bytes. `reserve(bytes)` is told what the bodies will take before any embedding is built (it
-        raises to refuse them: the front's `--max-prompt-bytes-in-flight`)."""
+        `call`, as JSON bytes. `reserve(adapter, lengths)` is told each prompt's text length before any embedding is
+        built (it raises to refuse them: `--max-prompt-bytes-in-flight`, serve_ops.py)."""
         adapter = self.resolve(call.model)
         if call.route == "chat":
             rows = [self._chat_ids(adapter, call.prompts[0])]
@@ -224,9 +198,8 @@ class Front(Compositions):
             rows = [self._completion_ids(adapter, p, i if many else None) for i, p in enumerate(call.prompts)]
         known = [x for x in (self.max_positions, max_model_len) if x is not None]
         limit = min(known) if known else None
-        size = sum(prompt_bytes(adapter, len(ids), self.embedding.embedding_dim) for ids in rows)
         if reserve is not None:
-            reserve(size)
+            reserve(adapter, [len(ids) for ids in rows])
         salt = self.salts.current(adapter.content) if adapter is not None else None
         out = []
         for ids in rows:
@@ -243,7 +216,7 @@ class Front(Compositions):
             if salt is not None:  # tenants never share cache blocks (for KV, the placeholders are the same ids)
                 body["cache_salt"] = salt
             out.append(json.dumps(body).encode())
-        return Outgoing(adapter, salt, out, size)
+        return Outgoing(adapter, salt, out)
 
     def _max_tokens(self, call: Call, adapter: Optional[Adapter], ids: list[int], limit: Optional[int]) -> int:
         used = (adapter.positions if adapter is not None else 0) + len(ids)

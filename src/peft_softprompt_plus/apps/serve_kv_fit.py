@@ -1,10 +1,12 @@
-"""KV adapters made to fit the engine before anything is published for vLLM's connector (`serve_kv.py`): each one's
-shape checked against the engine's model as vLLM reads the base's config, and its keys folded so that its text starts
-right after its N positions, where vLLM places it (`method/rotary_fold.py`); a request the fold would change is
-refused."""
+"""Adapters made to fit the engine before anything is sent to it: each one checked against the base the front serves
+(the base it was trained on, its width); a KV adapter's shape checked against the engine's model as vLLM reads the
+base's config before anything is published for vLLM's connector (`serve_kv.py`), and its keys folded so that its text
+starts right after its N positions, where vLLM places it (`method/rotary_fold.py`); a request the fold would change
+is refused."""
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -16,6 +18,25 @@ from .serve_requests import FrontError
 # vLLM 0.32's `ModelArchConfigConvertorBase.get_total_num_kv_heads`: the first of these the text config has, else
 # its attention heads (a model without grouped-query attention has as many KV heads as heads).
 _KV_HEAD_ATTRIBUTES = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num")
+
+
+def check_base(name: str, folder: str, config: dict, base_name: str, width: int, prompt, kv: bool) -> None:
+    """Refuse an adapter trained on another base than the front's `base_name` (by folder name), or an input adapter
+    whose `prompt` (`[N, D]`) isn't the base's `width` wide."""
+    trained_on = config.get("base_model_name_or_path") or ""
+    other = os.path.basename(os.path.normpath(trained_on)) if trained_on else ""
+    if other and other != base_name:
+        raise FrontError(
+            400,
+            f"adapter {name!r} ({folder}) was trained on {trained_on!r}, not on this server's base {base_name!r}. "
+            "Serve it with a front started on that base.",
+        )
+    if not kv and prompt.shape[-1] != width:
+        raise FrontError(
+            400,
+            f"adapter {name!r} ({folder}) holds a prompt {prompt.shape[-1]} wide, but this base's hidden size is "
+            f"{width}: it was trained on another model.",
+        )
 
 
 def engine_shape(model_config) -> ModelShape:

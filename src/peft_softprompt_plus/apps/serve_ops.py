@@ -1,28 +1,24 @@
-"""What an operator reads and bounds on `softprompt-plus serve`: `GET /health` (the engine reachable, the KV connector
-applying KV prompts, checked again at most every `--health-interval` seconds), `GET /metrics` (Prometheus text, by
+"""What an operator reads and bounds on `softprompt-plus serve`: `GET /metrics` (Prometheus text, by
 `prometheus_client`), the limits on the work in flight, past which a request is a 429 with `Retry-After`, and what
-follows a KV request the engine did not serve with its prompt (its salt moved, its file written again). Everything
-here runs on the event loop (its counts take no lock) except the prompt bytes, which worker threads reserve.
+follows a KV request the engine did not serve with its prompt (its salt moved, its file written again); `GET /health`
+is serve_health.py's. Everything here runs on the event loop (its counts take no lock) except the prompt bytes, which
+worker threads reserve.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
-from . import serve_kv
-from .serve_args import HEALTH_INTERVAL_S
 from .serve_front import COMPLETION_DEFAULT_MAX_TOKENS, Adapter, Front, Outgoing
-from .serve_requests import Call, FrontError
+from .serve_health import Health
+from .serve_requests import HEALTH_INTERVAL_S, Call, FrontError
 from .serve_upstream import Upstream
 
 log = logging.getLogger("peft_softprompt_plus.serve")
@@ -47,6 +43,15 @@ class Ticket:
     outgoing: Optional[Outgoing] = None  # what was sent to the engine
 
 
+def prompt_bytes(adapter: Optional[Adapter], tokens: int, width: int) -> int:
+    """What one prompt's upstream body takes in the front's memory at its peak: an input adapter's `[P+N+S+L, D]`
+    float32 rows, their `torch.save` bytes in base64 and the JSON body holding those; else its ids as JSON."""
+    if adapter is None or adapter.block is None:
+        return 64 + 8 * ((adapter.positions if adapter is not None else 0) + tokens)
+    raw = (adapter.positions + tokens) * width * 4
+    return raw + 2 * (4 * (raw + 1024) // 3)  # + the base64 text, + the JSON body holding it
+
+
 class Ops:
     """The limits, the metrics and the health checks of one front and its engine."""
 
@@ -54,14 +59,11 @@ class Ops:
         self, front: Front, engine: Upstream, upstream_model: str, health_interval: float = HEALTH_INTERVAL_S
     ):
         self.front, self.engine, self.upstream_model = front, engine, upstream_model
-        self.health_interval = health_interval
         self.requests_in_flight = 0
         self.tokens_in_flight = 0
         self.prompt_bytes_in_flight = 0  # reserved from worker threads: under `_bytes_lock`
         self._bytes_lock = threading.Lock()
-        self._health: Optional[tuple[float, tuple[int, dict]]] = None  # (when, the last check's answer)
-        self._health_lock: Optional[asyncio.Lock] = None
-        self._probe_turn = itertools.count()
+        self.health = Health(front, engine, upstream_model, health_interval)  # GET /health
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("softprompt_plus_requests", "Requests answered.", ["adapter", "route"], registry=r)
@@ -137,10 +139,12 @@ class Ops:
         self.tokens_in_flight += tokens
 
     def reserver(self, ticket: Ticket):
-        """What `Front.bodies` calls with the bytes a request's bodies will take, from its worker thread: counted in
-        flight, or refused (a 400 alone past the limit, else a 429)."""
+        """What `Front.bodies` calls, from its worker thread, with a request's adapter and text lengths before it
+        builds anything: the bytes its bodies will take (`prompt_bytes`) counted in flight, or refused (a 400 alone
+        past the limit, else a 429)."""
 
-        def reserve(size: int) -> None:
+        def reserve(adapter: Optional[Adapter], lengths: list[int]) -> None:
+            size = sum(prompt_bytes(adapter, length, self.front.embedding.embedding_dim) for length in lengths)
             limit = self.front.limits.max_prompt_bytes_in_flight
             if size > limit:
                 raise FrontError(
@@ -234,70 +238,3 @@ class Ops:
                 await asyncio.to_thread(self.front.share.restore, adapter.kv)
             except OSError as failure:
                 log.error("could not write the KV prompt %s to the share again: %s", adapter.kv, failure)
-
-    # ------------------------------------------------------------------ health
-
-    async def health(self) -> tuple[int, dict]:
-        """200 when requests can be served (the engine answers, and KV adapters' prompts are applied), else 503;
-        each check says what it found. Checked against the engine as it is now at most every `health_interval`
-        seconds; between checks the last answer is returned."""
-        if self._health_lock is None:
-            self._health_lock = asyncio.Lock()
-        async with self._health_lock:  # one check at a time: callers meanwhile get its answer
-            if self._health is not None and time.monotonic() - self._health[0] < self.health_interval:
-                return self._health[1]
-            checks = {"engine": await self._engine_check()}
-            checks["kv"] = (
-                await self._connector_check() if checks["engine"]["ok"] else {"ok": False, "detail": "not checked"}
-            )
-            ok = all(c["ok"] for c in checks.values())
-            answer = (200 if ok else 503), {"status": "ok" if ok else "unavailable", "checks": checks}
-            self._health = (time.monotonic(), answer)
-            return answer
-
-    async def _engine_check(self) -> dict:
-        try:
-            answer = await self.engine.client.get("/v1/models", timeout=5.0)
-            ids = [row.get("id") for row in answer.json().get("data", [])] if answer.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError) as err:
-            return {"ok": False, "detail": f"the engine can't be reached ({type(err).__name__})."}
-        if ids is None:
-            return {"ok": False, "detail": f"the engine's /v1/models answered {answer.status_code}."}
-        if self.upstream_model not in ids:
-            return {"ok": False, "detail": "the engine does not serve the model this front sends (--upstream-model)."}
-        return {"ok": True, "detail": "the engine answers /v1/models and serves the model."}
-
-    async def _connector_check(self) -> dict:
-        """Are every KV adapter's files in the share, and does the engine's connector apply them now? One adapter a
-        check, in turn, is sent for one token under a salt of its own (a refused probe leaves its placeholders'
-        blocks to no one)."""
-        kv = [a for a in self.front.adapters.values() if a.kv is not None]
-        if not kv:
-            off = "KV adapters are off (no --kv-share)." if self.front.kv_share is None else "no KV adapter is loaded."
-            return {"ok": True, "detail": off}
-        missing = await asyncio.to_thread(self.front.share.missing, {a.kv for a in kv})
-        if missing:
-            for digest in missing:  # the next check finds them again
-                await asyncio.to_thread(self.front.share.restore, digest)
-            return {
-                "ok": False,
-                "detail": f"{len(missing)} KV prompt files were missing from the share (--kv-share); written again.",
-            }
-        adapter = kv[next(self._probe_turn) % len(kv)]
-        ticket = Ticket("health")
-        try:
-            self.hold(ticket, adapter)
-            probe = {"model": self.upstream_model, "max_tokens": 1, "cache_salt": self.front.salts.probe()}
-            probe.update(
-                serve_kv.fields(adapter.kv, adapter.positions, self.front.placeholder, [self.front.placeholder])
-            )
-            serve_kv.check_served(await self.engine.post(json.dumps(probe).encode()), adapter.kv)
-        except FrontError as err:
-            return {"ok": False, "detail": str(err)}
-        finally:
-            if ticket.digest is not None:
-                self.front.share.release(ticket.digest)
-        return {
-            "ok": True,
-            "detail": f"the engine's KV connector applied {adapter.name!r} just now ({len(kv)} KV adapters).",
-        }

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # the Host names a loopback front answers to (DNS rebinding)
+HEALTH_INTERVAL_S = 10  # `--health-interval`: how long one check of the engine and its connector is trusted
 
 
 class FrontError(Exception):

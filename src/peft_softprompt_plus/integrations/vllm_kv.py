@@ -95,7 +95,7 @@ class SoftPromptKVConnector(KVConnectorBase_V1):
             head_size=model.get_head_size(),
         )
         self._block_size = vllm_config.cache_config.block_size
-        self._prompts = core.PromptCache(extra.get("cache_bytes", core.DEFAULT_CACHE_BYTES))  # verified, by bytes
+        self._prompt_cache = core.PromptCache(extra.get("cache_bytes", core.DEFAULT_CACHE_BYTES))  # verified, by bytes
         self._salts = requests.SaltBook()
         self._matched_from: dict[str, int] = {}  # request id -> tokens found locally when it was matched
         self._served: dict[str, requests.Named] = {}  # request id -> the KV prompt matched for it
@@ -127,7 +127,7 @@ class SoftPromptKVConnector(KVConnectorBase_V1):
             reason = self._salts.why_not(named.salt)
         if reason is None:
             positions, reason = core.match(
-                self._folder, named.digest, self._model, request.num_prompt_tokens, computed, self._prompts
+                self._folder, named.digest, self._model, request.num_prompt_tokens, computed, self._prompt_cache
             )
         if reason is not None:  # the request runs without it; the front turns the reason into its error
             self._refuse(request, salt, reason)
@@ -208,7 +208,7 @@ class SoftPromptKVConnector(KVConnectorBase_V1):
         }
         for load in meta.loads:
             try:
-                prompt = self._prompts(self._folder, load.prompt_hash)  # [layers, 2, Hkv, N, hd]
+                prompt = self._prompt_cache(self._folder, load.prompt_hash)  # [layers, 2, Hkv, N, hd]
                 count, write = len(load.cache_slots), self._writer(attention, load.cache_slots)
                 reason = core.load_prompt(
                     prompt, layers, self._heads, self._model.layers, load.first_position, count, write
