@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import pathlib
 import re
 import warnings
@@ -553,7 +554,8 @@ def test_serving_md_says_which_errors_name_server_paths(scratch):
 
 def _commands(page: pathlib.Path) -> list[list[str]]:
     """Each shell command of `page`'s bash blocks as its words, continuation lines joined, `NAME=value` prefixes and
-    `$(...)` assignments dropped (`BASE=$(softprompt-plus fetch smollm2)` is the command inside)."""
+    `$(...)` assignments dropped (`BASE=$(softprompt-plus fetch smollm2)` is the command inside), `$HOME` expanded as
+    the shell does."""
     import shlex
 
     found = []
@@ -561,7 +563,9 @@ def _commands(page: pathlib.Path) -> list[list[str]]:
         for line in block.code.replace("\\\n", " ").splitlines():
             for command in line.split(" && "):
                 inner = re.match(r"^\w+=\$\((.*)\)$", command.strip())
-                words = shlex.split(inner[1] if inner else command)
+                words = [
+                    os.path.expandvars(w) if "$HOME" in w else w for w in shlex.split(inner[1] if inner else command)
+                ]
                 while words and re.match(r"^[A-Z_]+=", words[0]):
                     words = words[1:]
                 if words:
