@@ -50,6 +50,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        await engine.max_model_len()  # at start, not in the first burst: its read also loads the HTTP client's backend
         yield
         await engine.aclose()
 

@@ -230,7 +230,7 @@ NEUTRAL = {
 FRONT_SETS = {
     "prompt_embeds": "send text; the front builds them.",
     "kv_transfer_params": "the front names a KV adapter's keys/values itself: send the adapter's name as `model`.",
-    "cache_salt": "the front salts each adapter's requests with its own content hash (tenants never share blocks).",
+    "cache_salt": "the front gives each adapter's requests a secret salt of their own (tenants never share blocks).",
 }
 _BUILT_HERE = ("model", "prompt", "messages", "max_completion_tokens", "logprobs", "top_logprobs", "max_tokens")
 

@@ -5,6 +5,7 @@ its context length and whether it scales the embeddings it is given.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -60,6 +61,8 @@ class Upstream:
         ]
         self._turn = itertools.count()
         self._max_model_len: Optional[int] = None
+        self._reading: Optional[asyncio.Future] = None  # the one `/v1/models` read in flight
+        self._completions = httpx.URL(f"{self.url}/v1/completions")  # parsed once: httpx parses a str each request
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -70,20 +73,27 @@ class Upstream:
             await client.aclose()
 
     async def max_model_len(self) -> Optional[int]:
-        """vLLM's own `max_model_len` for the served model (read once; None while it can't be reached)."""
+        """vLLM's own `max_model_len` for the served model (read once; None while it can't be reached). Requests that
+        ask while it is being read wait for that one read: a burst on a fresh front sends one `/v1/models`, not one
+        per request."""
         if self._max_model_len is None:
-            try:
-                rows = (await self.client.get("/v1/models", timeout=5.0)).json().get("data", [])
-                row = next((r for r in rows if r.get("id") == self.model), rows[0] if rows else {})
-                value = row.get("max_model_len")
-                self._max_model_len = value if isinstance(value, int) and value > 0 else None
-            except (httpx.HTTPError, ValueError, AttributeError) as err:
-                log.warning("could not read max_model_len from %s: %s", self.url, err)
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.ensure_future(self._read_max_model_len())
+            await asyncio.shield(self._reading)
         return self._max_model_len
+
+    async def _read_max_model_len(self) -> None:
+        try:
+            rows = (await self.client.get("/v1/models", timeout=5.0)).json().get("data", [])
+            row = next((r for r in rows if r.get("id") == self.model), rows[0] if rows else {})
+            value = row.get("max_model_len")
+            self._max_model_len = value if isinstance(value, int) and value > 0 else None
+        except (httpx.HTTPError, ValueError, AttributeError) as err:
+            log.warning("could not read max_model_len from %s: %s", self.url, err)
 
     async def post(self, payload: bytes) -> dict:
         try:
-            response = await self.client.post("/v1/completions", content=payload, headers=_JSON)
+            response = await self.client.post(self._completions, content=payload, headers=_JSON)
         except httpx.HTTPError as err:
             raise self._unreachable(err) from err
         if response.status_code != 200:
@@ -98,7 +108,7 @@ class Upstream:
         """The streamed response, opened: an error before the first byte is a `FrontError` (an HTTP status for the
         client), not an event inside a 200."""
         client = self.client
-        request = client.build_request("POST", "/v1/completions", content=payload, headers=_JSON)
+        request = client.build_request("POST", self._completions, content=payload, headers=_JSON)
         try:
             response = await client.send(request, stream=True)
         except httpx.HTTPError as err:

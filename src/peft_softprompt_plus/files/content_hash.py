@@ -1,6 +1,6 @@
-"""An adapter's content hash: its saved tensors and the config fields that change what it computes. The serving
-front's `cache_salt` (apps/serve_front.py) and the file a KV prompt is published as (apps/serve_kv.py) are this
-hash, so equal adapters share them and a changed one never does."""
+"""An adapter's content hash: its saved tensors and the config fields that change what it computes. The file a KV
+prompt is published as (apps/serve_share.py) is this hash, and the serving front's secret `cache_salt` derives from
+it (apps/serve_salts.py), so equal adapters share them and a changed one never does."""
 
 from __future__ import annotations
 
