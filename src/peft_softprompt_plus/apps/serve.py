@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .serve_front import Front, Outgoing
-from .serve_http import Gate, error, read_body, sse, timed_out
+from .serve_http import Gate, error, read_body, sse, timed_out, within
 from .serve_kv import check_served, open_checked
 from .serve_ops import HEALTH_INTERVAL_S, RETRY_AFTER_S, Ops, Ticket
 from .serve_replies import as_chat, as_chat_chunk, merged
@@ -122,7 +122,7 @@ def build_app(
     async def _answer(route: str, request: Request):
         ticket = Ticket(route)  # counted, and its place in flight freed, however it ends (serve_ops.py)
         try:
-            return await asyncio.wait_for(_served(ticket, request), front.limits.request_timeout)
+            return await within(front.limits.request_timeout, _served(ticket, request))
         except asyncio.TimeoutError:
             err = timed_out(front.limits.request_timeout)
             if ticket.outgoing is not None:  # cut off, it may have run on the placeholders
@@ -157,7 +157,8 @@ def build_app(
                     response, chunks = await open_checked(engine, payloads[0], kv, adapter.positions)
                 relay = _relay(chunks, call.model, chat, call.top_logprobs, ticket, outgoing)
                 return _Stream(relay, response, ops, ticket)
-            answers = [check_served(a, kv) for a in await asyncio.gather(*(engine.post(p) for p in payloads))]
+            sent = [await engine.post(payloads[0])] if len(payloads) == 1 else await _all(engine, payloads)
+            answers = [check_served(a, kv) for a in sent]
         except FrontError as err:
             await ops.not_served(outgoing, err)
             raise
@@ -172,7 +173,7 @@ def build_app(
         try:
             while True:
                 try:
-                    chunk = await asyncio.wait_for(anext(chunks, None), max(0.0, deadline - time.perf_counter()))
+                    chunk = await within(max(0.0, deadline - time.perf_counter()), anext(chunks, None))
                 except asyncio.TimeoutError:
                     await chunks.aclose()
                     raise timed_out(front.limits.request_timeout) from None
@@ -188,6 +189,10 @@ def build_app(
             yield sse({"error": {"message": str(err), "type": "server_error", "code": err.status}})
 
     return app
+
+
+async def _all(engine: Upstream, payloads: list[bytes]) -> list[dict]:
+    return await asyncio.gather(*(engine.post(p) for p in payloads))  # a task each: only for several prompts
 
 
 class _Stream(StreamingResponse):

@@ -38,7 +38,7 @@ async def read_body(request: Request, limits: Limits) -> dict:
                 )
 
     try:
-        await asyncio.wait_for(read(), limits.body_timeout)
+        await within(limits.body_timeout, read())
     except asyncio.TimeoutError:
         raise FrontError(
             408,
@@ -81,6 +81,15 @@ def host_name(host: str) -> str:
     if host.startswith("["):  # [::1]:8100
         return host[1 : host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+async def within(seconds: float, awaitable):
+    """`awaitable`'s result, or `asyncio.TimeoutError` past `seconds`: `asyncio.timeout` where it exists (Python
+    3.11+), which cancels in place; `wait_for` costs a task a call (a profile of the front under load saw them)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
 
 
 def timed_out(seconds: int) -> FrontError:
