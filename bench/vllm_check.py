@@ -1,5 +1,5 @@
 """The real vLLM check: vLLM for CPU from the package index, the real SmolLM2-135M-Instruct checkpoint, and
-`softprompt-plus serve` in front of it. Parts (all by default):
+`softprompt-plus serve` in front of it. Each part's module is in bench/vllm/. Parts (all by default):
 
 - `agreement` (_vllm_agreement.py): vLLM's greedy tokens equal this library's `generate`, offline, through vLLM's
   server, and through the front by adapter name;
@@ -67,13 +67,13 @@ def setup(venv: str) -> None:
 
 def main_run(out: str, parts: list[str]) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm"))  # its parts' modules
     import _vllm_agreement
     import _vllm_front
     from _vllm_server import front, vllm_server
 
     from peft_softprompt_plus import fetch_checkpoint
-    from peft_softprompt_plus.apps.serve_kv import vllm_config
+    from peft_softprompt_plus.serve.kv_fields import vllm_config
 
     report, ok = {}, True
     if "trust" in parts:

@@ -61,7 +61,7 @@ def test_a_row_is_judged_against_its_target_and_context_rows_are_not():
 
 def test_no_bench_script_writes_its_own_table_rule_or_comma_list_parser():
     found = {}
-    for path in BENCH.glob("*.py"):
+    for path in BENCH.rglob("*.py"):
         if path.name == "_stats.py":
             continue
         text = path.read_text()
@@ -85,7 +85,7 @@ def _bench_imports(path: pathlib.Path, names: set[str]) -> set[str]:
 
 
 def test_no_import_cycle_among_bench_modules():
-    paths = {path.stem: path for path in BENCH.glob("*.py")}
+    paths = {path.stem: path for path in BENCH.rglob("*.py")}
     graph = {name: _bench_imports(path, set(paths)) for name, path in paths.items()}
     assert graph["_stats"] == set()  # standard library only
     reports = {name: deps for name, deps in graph.items() if name.endswith("_report")}

@@ -514,8 +514,8 @@ def test_training_recipe_md_serves_a_kv_prompt_through_the_front():
     import argparse
     import importlib.util
 
-    from peft_softprompt_plus.apps import serve_kv
     from peft_softprompt_plus.apps.cli import build_parser
+    from peft_softprompt_plus.serve import kv_fields as serve_kv
 
     text = (ROOT / "docs" / "training-recipe.md").read_text()
     row = next(line for line in text.splitlines() if line.startswith("| serving |"))
@@ -533,8 +533,8 @@ def test_serving_md_says_which_errors_name_server_paths(scratch):
     from transformers import AutoModelForCausalLM
 
     from peft_softprompt_plus import SoftPromptPlusConfig
-    from peft_softprompt_plus.apps.serve_front import Front
-    from peft_softprompt_plus.apps.serve_requests import FrontError
+    from peft_softprompt_plus.serve.front import Front
+    from peft_softprompt_plus.serve.requests import FrontError
 
     text = " ".join((ROOT / "docs" / "serving.md").read_text().split())
     assert "A Completions or Chat request's errors name no server path or address." in text
@@ -589,10 +589,10 @@ def test_serve_with_vllm_md_names_real_flags_files_and_names():
     import json
     import runpy
 
-    from peft_softprompt_plus.apps import serve_kv
     from peft_softprompt_plus.apps.cli import build_parser
     from peft_softprompt_plus.apps.fetch import CHECKPOINTS
-    from peft_softprompt_plus.apps.serve_upstream import UPSTREAM_FLAGS
+    from peft_softprompt_plus.serve import kv_fields as serve_kv
+    from peft_softprompt_plus.serve.upstream import UPSTREAM_FLAGS
 
     page = ROOT / "examples" / "serve_with_vllm.md"
     commands = _commands(page)
@@ -633,10 +633,10 @@ def test_serve_with_vllm_md_names_real_flags_files_and_names():
 def test_distillation_md_says_the_front_folds_a_selected_kv_student_on_rotary_bases_only():
     """A `selected` KV student's text starts where the system turn ended (tests/test_examples.py reads it off the
     distill example); the front folds a KV adapter whose text starts past N on a rotary base and refuses it, with the
-    fold's reason, on GPT-2 (tests/apps/test_serve_kv_fit.py serves a folded one)."""
-    from peft_softprompt_plus.apps.serve_kv_fit import check_foldable
-    from peft_softprompt_plus.apps.serve_requests import FrontError
+    fold's reason, on GPT-2 (tests/serve/test_fit.py serves a folded one)."""
     from peft_softprompt_plus.apps.tiny import tiny_family
+    from peft_softprompt_plus.serve.fit import check_foldable
+    from peft_softprompt_plus.serve.requests import FrontError
 
     text = " ".join((ROOT / "docs" / "distillation.md").read_text().split())
     assert "serves only a KV prompt whose text starts at N" in text
@@ -647,3 +647,17 @@ def test_distillation_md_says_the_front_folds_a_selected_kv_student_on_rotary_ba
     check_foldable("kv", "folder", {"num_virtual_tokens": 4, "kv_text_start": 4}, tiny_family("gpt2").config)
     with pytest.raises(FrontError, match="kv_text_start=9, not N=4.*learned absolute position embeddings"):
         check_foldable("kv", "folder", late, tiny_family("gpt2").config)
+
+
+def test_bench_readme_names_every_vllm_check_part():
+    """bench/README.md's `vllm_check.py` row names each part `vllm_check.py --parts` takes."""
+    tree = ast.parse((ROOT / "bench" / "vllm_check.py").read_text())
+    parts = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "PARTS"
+    )
+    row = next(
+        line for line in (ROOT / "bench" / "README.md").read_text().splitlines() if "| `vllm_check.py` |" in line
+    )
+    assert len(parts) >= 10 and [p for p in parts if f"`{p}`" not in row] == []

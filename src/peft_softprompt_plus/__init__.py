@@ -30,7 +30,7 @@ _PUBLIC = {  # name -> the module that defines it
     "distill_prompt": "distill.run",
     "student_inputs": "distill.data",
     "student_text": "distill.data",
-    "prompt_embeds": "integrations.serving",
+    "prompt_embeds": "serve.embeds",
     "to_cartridge": "files.cartridge",
     "from_cartridge": "files.cartridge",
     "fold_kv_prompt": "method.rotary_fold",

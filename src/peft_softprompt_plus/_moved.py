@@ -41,7 +41,7 @@ MOVED = {  # 0.2.0 module -> its 0.3.0 home (`distill` is now the distillation p
     "inspect_adapter": "files.inspect_adapter",
     "_peft_registry": "integrations.peft_registry",
     "_registration": "integrations.registration",
-    "serving": "integrations.serving",
+    "serving": "serve.embeds",
     "distill_data": "distill.data",
     "distill_score": "distill.score",
     "distill_teacher": "distill.teacher",

@@ -31,7 +31,7 @@ def encoder_state(state_dict: dict, adapter_name: str) -> dict:
     return {k.split(marker, 1)[1]: v for k, v in state_dict.items() if marker in k}
 
 
-# KV prompts served by vLLM (apps/serve_kv.py publishes, integrations/vllm_kv.py reads in vLLM's processes).
+# KV prompts served by vLLM (serve/share.py publishes, integrations/vllm_kv.py reads in vLLM's processes).
 VLLM_KV_PARAM = "softprompt_plus_kv"  # a request's `kv_transfer_params` key: the KV prompt's content hash
 VLLM_KV_SERVED = "softprompt_plus_kv_served"  # the connector's mark in a finished request's `kv_transfer_params`
 VLLM_KV_REFUSED = "softprompt_plus_kv_refused"  # the connector's reason, where it did not apply the KV prompt

@@ -1,6 +1,6 @@
 """Records what vLLM's own helpers give for the KV connector's rank mapping into vllm_kv_layout.json, which
 test_kv_connector_core.py checks `integrations/kv_connector_core.py` against (CI can't import vLLM: it pins an older
-transformers). Rerun it in the separate venv of tests/apps/_record_vllm_fields.py when the vLLM the connector is
+transformers). Rerun it in the separate venv of tests/serve/_record_vllm_fields.py when the vLLM the connector is
 checked against changes, and commit the JSON:
 
     /tmp/vllm-venv/bin/python tests/integrations/_record_vllm_kv_layout.py

@@ -194,7 +194,7 @@ def test_a_prompt_for_another_model_is_refused_by_the_worker_with_its_reason(pro
 
 @pytest.fixture
 def share(tmp_path):
-    """A KV prompt published as the front publishes it (apps/serve_share.py): test_kv_share_files.py checks those."""
+    """A KV prompt published as the front publishes it (serve/share.py): test_kv_share_files.py checks those."""
     values, config = torch.randn(4, 2, 2, POSITIONS, HEAD_SIZE), {"prompt_level": "kv"}
     digest = content_hash(config, {SAVED_KV_KEY: values})
     save_file({VLLM_KV_TENSOR: values}, str(tmp_path / f"{digest}.safetensors"), metadata=core.file_metadata(config))
@@ -234,7 +234,7 @@ def test_an_unreadable_or_unnamed_prompt_matches_nothing_and_says_why(share):
 
 
 def _worker(folder: str, tp_size: int, tp_rank: int, caches: dict, model=(4, 2, HEAD_SIZE)):
-    """The real connector (`vllm_kv.py`, its vLLM imports stood in by tests/apps/kv_connector_stub.py) as one
+    """The real connector (`vllm_kv.py`, its vLLM imports stood in by tests/serve/kv_connector_stub.py) as one
     tensor-parallel worker of vLLM registers it, with `caches` (name -> fake CPU cache)."""
     import kv_connector_stub
 

@@ -1,5 +1,5 @@
 """What a request asks of the KV connector (`integrations/kv_connector_requests.py`), whatever JSON a client sent to
-vLLM directly: the connector's scheduler side (its vLLM imports stood in, tests/apps/kv_connector_stub.py) never
+vLLM directly: the connector's scheduler side (its vLLM imports stood in, tests/serve/kv_connector_stub.py) never
 raises, matches 0 positions with a reason for anything but a well-formed request, and never serves a KV prompt under
 a salt some request ran under without it."""
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peft_softprompt_plus._names import VLLM_KV_PARAM, VLLM_KV_REFUSED, VLLM_KV_SERVED
-from peft_softprompt_plus.apps.serve_share import publish
 from peft_softprompt_plus.integrations import kv_connector_requests as requests
+from peft_softprompt_plus.serve.share import publish
 
 POSITIONS = 4
 SALT = "s" * 32

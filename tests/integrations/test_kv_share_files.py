@@ -19,7 +19,7 @@ CONFIG = {"prompt_level": "kv", "num_virtual_tokens": POSITIONS, "init_seed": 3}
 
 
 def _publish(folder, values: torch.Tensor, config: dict, name=None) -> str:
-    """`values` as the front publishes them (apps/serve_share.py), under `name` (else their content hash)."""
+    """`values` as the front publishes them (serve/share.py), under `name` (else their content hash)."""
     digest = name or content_hash(config, {SAVED_KV_KEY: values})
     save_file({VLLM_KV_TENSOR: values}, str(folder / f"{digest}.safetensors"), metadata=core.file_metadata(config))
     return digest

@@ -9,7 +9,7 @@ import json
 import os
 import urllib.request
 
-from .serve_requests import HEALTH_INTERVAL_S, LOOPBACK_HOSTS, Limits
+from ..serve.requests import HEALTH_INTERVAL_S, LOOPBACK_HOSTS, Limits
 
 LOOPBACK = "127.0.0.1"
 
@@ -134,7 +134,7 @@ def _serve(args) -> int:
             "SOFTPROMPT_PLUS_API_KEY) so that only your clients can."
         )
     if args.kv_share is not None:
-        from .serve_share import FOLDER_MODE, check_folder
+        from ..serve.share import FOLDER_MODE, check_folder
 
         os.makedirs(args.kv_share, mode=FOLDER_MODE, exist_ok=True)
         check_folder(args.kv_share)
@@ -156,7 +156,7 @@ def _serve(args) -> int:
         from .fetch import fetch_checkpoint
 
         args.base = fetch_checkpoint(args.base)
-    from .serve import main
+    from ..serve.app import main
 
     return main(args)
 

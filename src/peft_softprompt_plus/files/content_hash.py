@@ -1,6 +1,6 @@
 """An adapter's content hash: its saved tensors and the config fields that change what it computes. The file a KV
-prompt is published as (apps/serve_share.py) is this hash, and the serving front's secret `cache_salt` derives from
-it (apps/serve_salts.py), so equal adapters share them and a changed one never does."""
+prompt is published as (serve/share.py) is this hash, and the serving front's secret `cache_salt` derives from
+it (serve/salts.py), so equal adapters share them and a changed one never does."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""KV adapters made to fit vLLM by the front (apps/serve_kv_fit.py, apps/serve_compose.py), on a tiny Llama behind
-the fake vLLM of test_serve.py running this package's connector: an adapter whose text starts past N is folded at
+"""KV adapters made to fit vLLM by the front (serve/fit.py, serve/compose.py), on a tiny Llama behind
+the fake vLLM of test_app.py running this package's connector: an adapter whose text starts past N is folded at
 load, a composition is served by name, and each one's published keys/values, read by the base model as vLLM reads
 them (a cache of N slots, the text at N), give the greedy tokens of our `generate`. A misfit is refused at load."""
 
@@ -9,16 +9,16 @@ import torch
 import transformers
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
-from test_serve import KEY, UPSTREAM_MODEL, _saved_hash, _Server, fake_vllm
+from test_app import KEY, UPSTREAM_MODEL, _saved_hash, _Server, fake_vllm
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from peft_softprompt_plus import SoftPromptPlusConfig, fold_adapter, fold_kv_prompt, save_folded
 from peft_softprompt_plus._names import VLLM_KV_PARAM
-from peft_softprompt_plus.apps.serve import build_app
-from peft_softprompt_plus.apps.serve_front import Adapter, Front
-from peft_softprompt_plus.apps.serve_kv_fit import check_window, engine_shape
-from peft_softprompt_plus.apps.serve_requests import FrontError
 from peft_softprompt_plus.apps.tiny import FAMILIES, tiny_family, tiny_tokenizer
+from peft_softprompt_plus.serve.app import build_app
+from peft_softprompt_plus.serve.fit import check_window, engine_shape
+from peft_softprompt_plus.serve.front import Adapter, Front
+from peft_softprompt_plus.serve.requests import FrontError
 
 NEW_TOKENS = 6
 TEXT = "the cat jumps over the lazy dog"

@@ -11,7 +11,7 @@ from typing import Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from .serve_requests import FrontError, Limits
+from .requests import FrontError, Limits
 
 
 async def read_body(request: Request, limits: Limits) -> dict:

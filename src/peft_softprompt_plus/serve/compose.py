@@ -10,8 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .serve_kv_fit import at_n
-from .serve_requests import FrontError
+from .fit import at_n
+from .requests import FrontError
 
 
 def composed(name: str, parts: tuple[str, ...], adapters: dict, model_config) -> tuple[torch.Tensor, Optional[int]]:
@@ -63,7 +63,7 @@ def recomposed(adapters: dict, compositions: dict, changed: str, model_config, p
 
 
 class Compositions:
-    """The front's compositions (mixed into `serve_front.Front`, whose `adapters`, `_lock`, `share`, `kv_share` and
+    """The front's compositions (mixed into `front.Front`, whose `adapters`, `_lock`, `share`, `kv_share` and
     `base` it uses): `compositions` maps each name to its adapters' names."""
 
     compositions: dict[str, tuple[str, ...]]

@@ -1,6 +1,6 @@
 """Adapters made to fit the engine before anything is sent to it: each one checked against the base the front serves
 (the base it was trained on, its width); a KV adapter's shape checked against the engine's model as vLLM reads the
-base's config before anything is published for vLLM's connector (`serve_kv.py`), and its keys folded so that its text
+base's config before anything is published for vLLM's connector (`kv_fields.py`), and its keys folded so that its text
 starts right after its N positions, where vLLM places it (`method/rotary_fold.py`); a request the fold would change
 is refused."""
 
@@ -13,7 +13,7 @@ import torch
 
 from ..integrations.kv_connector_core import ModelShape, prompt_misfit
 from ..method.rotary_fold import check_fold_window, fold_kv_prompt, fold_refused
-from .serve_requests import FrontError
+from .requests import FrontError
 
 # vLLM 0.32's `ModelArchConfigConvertorBase.get_total_num_kv_heads`: the first of these the text config has, else
 # its attention heads (a model without grouped-query attention has as many KV heads as heads).

@@ -27,11 +27,12 @@ from .._names import SAVED_KEY
 from ..distill.data import student_text
 from ..files.content_hash import content_hash
 from ..files.inspect_adapter import read_adapter
-from ..integrations.serving import prompt_block, text_embeddings
-from . import serve_kv, serve_kv_fit, serve_share
-from .serve_compose import Compositions
-from .serve_requests import Call, FrontError, Limits
-from .serve_salts import Salts
+from . import fit, kv_fields
+from .compose import Compositions
+from .embeds import prompt_block, text_embeddings
+from .requests import Call, FrontError, Limits
+from .salts import Salts
+from .share import Share, check_folder
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's Completions default
 
@@ -43,9 +44,9 @@ class Adapter:
     num_virtual_tokens: int
     chat_format: str  # "template" or "student"
     positions: int  # what the prompt takes in front of the text: hard prefix + N + hard suffix (KV: N)
-    content: str  # its content hash (files/content_hash.py): its `cache_salt` derives from it (serve_salts.py)
+    content: str  # its content hash (files/content_hash.py): its `cache_salt` derives from it (salts.py)
     block: Optional[torch.Tensor] = None  # [P+N+S, D] an input prompt's prefix, soft rows and suffix
-    kv: Optional[str] = None  # a KV prompt: its content hash, the file vLLM's connector reads (serve_kv.py)
+    kv: Optional[str] = None  # a KV prompt: its content hash, the file vLLM's connector reads (kv_fields.py)
     first_hard: Optional[int] = None  # the prefix's first id (a BOS there means the text must not bring its own)
     kv_values: Optional[torch.Tensor] = None  # [layers, 2, Hkv, N, hd] a KV adapter's keys/values as trained
     kv_start: Optional[int] = None  # where its text starts (`kv_text_start`) for `kv_values`
@@ -85,14 +86,14 @@ class Front(Compositions):
         self.engine_scales = engine_scales  # does the engine multiply embeddings by the model's scale itself?
         self.kv_share = kv_share  # where KV prompts are published for vLLM's connector (None: KV adapters refused)
         if kv_share is not None:
-            serve_share.check_folder(kv_share)
+            check_folder(kv_share)
         self.salts = Salts()  # each adapter's `cache_salt`, secret, moved after a request ran without its KV prompt
         self.model: Optional[PeftModel] = None
         self.adapters: dict[str, Adapter] = {}
         self.compositions: dict[str, tuple[str, ...]] = {}  # name -> its KV adapters, rebuilt when one is replaced
-        self.engine = serve_kv_fit.engine_shape(self.base.config)  # the model vLLM serves, as vLLM reads it
+        self.engine = fit.engine_shape(self.base.config)  # the model vLLM serves, as vLLM reads it
         self._lock = threading.Lock()
-        self.share = serve_share.Share(named=lambda: {a.kv for a in self.adapters.values()})  # KV prompts' files
+        self.share = Share(named=lambda: {a.kv for a in self.adapters.values()})  # KV prompts' files
         self._build_lock = threading.Lock()
         self.max_positions = getattr(self.base.config, "max_position_embeddings", None)
         # A KV prompt's N positions go upstream as this id: the connector fills their keys/values before they run.
@@ -117,18 +118,18 @@ class Front(Compositions):
             raise FrontError(400, str(err)) from err
         kv = config.get("prompt_level") == "kv"
         if kv and self.kv_share is None:
-            raise FrontError(400, serve_kv.refusal(name, folder))
-        serve_kv_fit.check_base(name, folder, config, self.base_name, self.base.config.hidden_size, prompt, kv)
+            raise FrontError(400, kv_fields.refusal(name, folder))
+        fit.check_base(name, folder, config, self.base_name, self.base.config.hidden_size, prompt, kv)
         if kv:  # before vLLM's connector ever sees it
-            serve_kv_fit.check_shape(name, folder, config, tuple(prompt.shape), self.engine)
-            serve_kv_fit.check_foldable(name, folder, config, self.base.config)
+            fit.check_shape(name, folder, config, tuple(prompt.shape), self.engine)
+            fit.check_foldable(name, folder, config, self.base.config)
         with self._build_lock:
             values = self._build(folder, kv)
         n = int(config["num_virtual_tokens"])
         chat = config.get("chat_format") or "template"
         if kv:
             start = config.get("kv_text_start") or n
-            served, folded_from = serve_kv_fit.at_n(values, start, self.base.config)  # vLLM puts the text at N
+            served, folded_from = fit.at_n(values, start, self.base.config)  # vLLM puts the text at N
             saved = config if folded_from is None else {**config, "kv_text_start": n}
             digest = self.share.publish(self.kv_share, saved, served)  # held until it is swapped in
             kept = dict(kv_values=values, kv_start=start, folded_from=folded_from)
@@ -137,7 +138,7 @@ class Front(Compositions):
             first = (config.get("prompt_prefix_ids") or [None])[0]
             content = content_hash(config, {SAVED_KEY: prompt})  # the saved prompt: the block's rows beside it are ids
             adapter = Adapter(name, folder, n, chat, values.shape[0], content, values, first_hard=first)
-        self._swap_in(name, adapter)  # with the compositions that name it rebuilt (serve_compose.py)
+        self._swap_in(name, adapter)  # with the compositions that name it rebuilt (compose.py)
         return adapter
 
     def _build(self, folder: str, kv: bool) -> torch.Tensor:
@@ -189,7 +190,7 @@ class Front(Compositions):
     ) -> Outgoing:
         """The adapter `call` names, the salt its bodies carry, and one vLLM `/v1/completions` body per prompt of
         `call`, as JSON bytes. `reserve(adapter, lengths)` is told each prompt's text length before any embedding is
-        built (it raises to refuse them: `--max-prompt-bytes-in-flight`, serve_ops.py)."""
+        built (it raises to refuse them: `--max-prompt-bytes-in-flight`, ops.py)."""
         adapter = self.resolve(call.model)
         if call.route == "chat":
             rows = [self._chat_ids(adapter, call.prompts[0])]
@@ -204,13 +205,13 @@ class Front(Compositions):
         out = []
         for ids in rows:
             body = {**call.options, "model": upstream_model, "max_tokens": self._max_tokens(call, adapter, ids, limit)}
-            serve_kv_fit.check_window(adapter, self.base.config, len(ids) + body["max_tokens"])
+            fit.check_window(adapter, self.base.config, len(ids) + body["max_tokens"])
             if adapter is None:
                 if not ids:
                     raise FrontError(400, "the prompt is empty: send some text (the base has no soft prompt to read).")
                 body["prompt"] = ids
             elif adapter.kv is not None:
-                body.update(serve_kv.fields(adapter.kv, adapter.positions, self.placeholder, ids))
+                body.update(kv_fields.fields(adapter.kv, adapter.positions, self.placeholder, ids))
             else:
                 body["prompt_embeds"] = self._embeds_b64(adapter, ids)
             if salt is not None:  # tenants never share cache blocks (for KV, the placeholders are the same ids)

@@ -243,7 +243,7 @@ def check(out: str, layouts: tuple[str, ...] = tuple(LAYOUTS)) -> dict:
     """Builds the model and adapters, then serves them at each layout in turn; the report by layout."""
     from transformers import AutoTokenizer
 
-    from peft_softprompt_plus.apps.serve_kv import vllm_config
+    from peft_softprompt_plus.serve.kv_fields import vllm_config
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path, folders = build(out)

@@ -1,5 +1,5 @@
 """The scheduler side of this package's vLLM KV connector (`integrations/vllm_kv.py`), run without vLLM: the vLLM
-names its module imports stand in as empty ones while it is imported, so the fake vLLM of test_serve.py marks a
+names its module imports stand in as empty ones while it is imported, so the fake vLLM of test_app.py marks a
 request served exactly when the real connector's `get_num_new_matched_tokens` matches it (its `kv_transfer_params`
 name a readable `<hash>.safetensors` in the connector's folder whose shape fits the engine's model, and the prompt
 holds text after those positions), and returns the connector's reason where it refused one."""
@@ -55,7 +55,7 @@ def _model_config(layers: int, kv_heads: int, head_size: int):
 
 
 def tiny_base() -> tuple[int, int, int]:
-    """(layers, KV heads, head size) of the tiny GPT-2 test_serve.py serves (`apps/tiny.py`)."""
+    """(layers, KV heads, head size) of the tiny GPT-2 test_app.py serves (`apps/tiny.py`)."""
     config = tiny_config(vocab_size=1)
     return config.n_layer, config.n_head, config.n_embd // config.n_head
 

@@ -1,7 +1,7 @@
 """What an operator reads and bounds on `softprompt-plus serve`: `GET /metrics` (Prometheus text, by
 `prometheus_client`), the limits on the work in flight, past which a request is a 429 with `Retry-After`, and what
 follows a KV request the engine did not serve with its prompt (its salt moved, its file written again); `GET /health`
-is serve_health.py's. Everything here runs on the event loop (its counts take no lock) except the prompt bytes, which
+is health.py's. Everything here runs on the event loop (its counts take no lock) except the prompt bytes, which
 worker threads reserve.
 """
 
@@ -16,10 +16,10 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
-from .serve_front import COMPLETION_DEFAULT_MAX_TOKENS, Adapter, Front, Outgoing
-from .serve_health import Health
-from .serve_requests import HEALTH_INTERVAL_S, Call, FrontError
-from .serve_upstream import Upstream
+from .front import COMPLETION_DEFAULT_MAX_TOKENS, Adapter, Front, Outgoing
+from .health import Health
+from .requests import HEALTH_INTERVAL_S, Call, FrontError
+from .upstream import Upstream
 
 log = logging.getLogger("peft_softprompt_plus.serve")
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: a request in flight takes about that long to free its place

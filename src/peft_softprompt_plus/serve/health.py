@@ -12,10 +12,10 @@ from typing import Optional
 
 import httpx
 
-from . import serve_kv
-from .serve_front import Front
-from .serve_requests import FrontError
-from .serve_upstream import Upstream
+from . import kv_fields
+from .front import Front
+from .requests import FrontError
+from .upstream import Upstream
 
 
 class Health:
@@ -79,9 +79,9 @@ class Health:
         try:
             probe = {"model": self.upstream_model, "max_tokens": 1, "cache_salt": self.front.salts.probe()}
             probe.update(
-                serve_kv.fields(adapter.kv, adapter.positions, self.front.placeholder, [self.front.placeholder])
+                kv_fields.fields(adapter.kv, adapter.positions, self.front.placeholder, [self.front.placeholder])
             )
-            serve_kv.check_served(await self.engine.post(json.dumps(probe).encode()), adapter.kv)
+            kv_fields.check_served(await self.engine.post(json.dumps(probe).encode()), adapter.kv)
         except FrontError as err:
             return {"ok": False, "detail": str(err)}
         finally:

@@ -4,7 +4,7 @@ front publishes them, and vLLM's greedy tokens through the connector compared wi
 `prompt_embeds` (the oracle) and with this library's own `generate` on the KV adapter. Also: mixed adapters in one
 batch, a repeat (prefix cache hits), and chunked prefill with preemption under a tiny cache. Not in the test suite.
 
-    VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python bench/_vllm_kv_check.py [--out DIR] [--families gpt2 llama]
+    VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python bench/vllm/_vllm_kv_check.py [--out DIR] [--families gpt2 llama]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ TEXTS = [
 
 
 def _connector(share: str) -> dict:
-    from peft_softprompt_plus.apps.serve_kv import vllm_config
+    from peft_softprompt_plus.serve.kv_fields import vllm_config
 
     return json.loads(vllm_config(share))
 
@@ -147,8 +147,8 @@ def _kv_requests(folders: dict, ids: list[list[int]], share: str):
     from vllm import SamplingParams
 
     from peft_softprompt_plus._names import VLLM_KV_PARAM
-    from peft_softprompt_plus.apps.serve_share import publish
     from peft_softprompt_plus.files.inspect_adapter import read_adapter
+    from peft_softprompt_plus.serve.share import publish
 
     prompts, params, keys = [], [], []
     for n, (_, folder_kv) in folders.items():

@@ -1,5 +1,5 @@
 """A 200 from `softprompt-plus serve` for a KV adapter is the adapter's answer, whatever refused a request before it:
-against a vLLM stand-in that keeps vLLM's prefix cache (tests/apps/kv_connector_stub.py `PrefixCache`: blocks hashed
+against a vLLM stand-in that keeps vLLM's prefix cache (tests/serve/kv_connector_stub.py `PrefixCache`: blocks hashed
 by ids and `cache_salt`, each remembering where its positions came from) and runs the real connector's scheduler
 side. Also: `/health` checks the engine as it is now, and the event loop never waits on a share file."""
 
@@ -16,14 +16,14 @@ import kv_connector_stub
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_serve import UPSTREAM_MODEL, _adapter, _Server, fake_vllm
-from test_serve_ops import _samples, _value
+from test_app import UPSTREAM_MODEL, _adapter, _Server, fake_vllm
+from test_ops import _samples, _value
 
 from peft_softprompt_plus._names import VLLM_KV_TENSOR
-from peft_softprompt_plus.apps import serve_share
-from peft_softprompt_plus.apps.serve import build_app
-from peft_softprompt_plus.apps.serve_front import Front
 from peft_softprompt_plus.apps.tiny import save_tiny
+from peft_softprompt_plus.serve import share as serve_share
+from peft_softprompt_plus.serve.app import build_app
+from peft_softprompt_plus.serve.front import Front
 
 WAIT_S = 20
 MOVED = "softprompt_plus_kv_salts_moved_total"
@@ -168,7 +168,7 @@ class _Restartable:
 def test_a_request_in_flight_finishes_while_a_large_kv_adapter_is_being_put(tmp_path, monkeypatch):
     """Publishing a share file (write, hash) runs off the loop and under its own lock: a request in flight is
     answered, and its share file released, while the file of an adapter being PUT is still being written."""
-    from test_serve_ops import gated_vllm
+    from test_ops import gated_vllm
 
     base = save_tiny(str(tmp_path / "tiny-base"))
     share = tmp_path / "share"

@@ -1,4 +1,4 @@
-"""The front's connections to vLLM (apps/serve_upstream.py): an idle one is dropped before vLLM's server would close
+"""The front's connections to vLLM (serve/upstream.py): an idle one is dropped before vLLM's server would close
 it, so a request never goes out on a connection vLLM is closing (an httpx ReadError, a 502 for the client)."""
 
 import asyncio
@@ -6,10 +6,10 @@ import threading
 import time
 
 import uvicorn
-from test_serve import _free_port
+from test_app import _free_port
 
-from peft_softprompt_plus.apps import serve_upstream
-from peft_softprompt_plus.apps.serve_upstream import Upstream
+from peft_softprompt_plus.serve import upstream as serve_upstream
+from peft_softprompt_plus.serve.upstream import Upstream
 
 
 async def _client_port(scope, receive, send):

@@ -226,7 +226,7 @@ def refusals(url: str, share: str, folders: dict[str, str], wanted: dict, prompt
 def check(out: str, engines: tuple[str, ...] = tuple(ENGINES)) -> dict:
     from transformers import AutoTokenizer
 
-    from peft_softprompt_plus.apps.serve_kv import vllm_config
+    from peft_softprompt_plus.serve.kv_fields import vllm_config
 
     report = {}
     for k, name in enumerate(engines):

@@ -1,4 +1,4 @@
-"""apps/serve_requests.py: every field of a request body checked against its route's table, without HTTP."""
+"""serve/requests.py: every field of a request body checked against its route's table, without HTTP."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import serve_bodies
 from hypothesis import HealthCheck, given, settings
 
-from peft_softprompt_plus.apps.serve_requests import FIELDS, FRONT_SETS, NEUTRAL, FrontError, Limits, parse
+from peft_softprompt_plus.serve.requests import FIELDS, FRONT_SETS, NEUTRAL, FrontError, Limits, parse
 
 MODELS = ["base", "plain"]
 

@@ -3,7 +3,7 @@ folder under their content hash, and the request fields that have vLLM's KV conn
 running in vLLM's processes) put them into the cache slots of N placeholder ids in front of the text.
 
 vLLM places a prompt's tokens at positions 0..L-1, so the text can only start right after the N placeholders:
-adapters whose `kv_text_start` is past N are folded first (`serve_kv_fit.py`). The connector marks each request it
+adapters whose `kv_text_start` is past N are folded first (`fit.py`). The connector marks each request it
 served; the front checks the mark, so a vLLM started without the connector is a 502, never an answer computed from
 the placeholders; where the connector refused the KV prompt (it doesn't fit the engine's model, or its file doesn't
 hash to its name), the 502 gives the connector's reason. vLLM 0.32 streams no connector mark (its stream chunks have
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional
 if TYPE_CHECKING:
     import httpx
 
-    from .serve_upstream import Upstream
+    from .upstream import Upstream
 
 from .._names import VLLM_KV_PARAM, VLLM_KV_REFUSED, VLLM_KV_SERVED
-from .serve_requests import FrontError
+from .requests import FrontError
 
 CONNECTOR = "SoftPromptKVConnector"
 CONNECTOR_MODULE = "peft_softprompt_plus.integrations.vllm_kv"

@@ -14,9 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from peft_softprompt_plus._names import VLLM_KV_REFUSED, VLLM_KV_SERVED, VLLM_KV_TENSOR
-from peft_softprompt_plus.apps.serve_kv import check_served, fields, open_checked
-from peft_softprompt_plus.apps.serve_requests import FrontError
-from peft_softprompt_plus.apps.serve_share import publish
+from peft_softprompt_plus.serve.kv_fields import check_served, fields, open_checked
+from peft_softprompt_plus.serve.requests import FrontError
+from peft_softprompt_plus.serve.share import publish
 
 POSITIONS = 4
 

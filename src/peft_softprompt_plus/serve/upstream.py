@@ -14,7 +14,7 @@ from typing import AsyncIterator, Optional
 
 import httpx
 
-from .serve_requests import FrontError
+from .requests import FrontError
 
 log = logging.getLogger("peft_softprompt_plus.serve")
 UPSTREAM_FLAGS = "--enable-prompt-embeds --dtype float32"

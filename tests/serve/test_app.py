@@ -1,4 +1,4 @@
-"""`softprompt-plus serve` (apps/serve.py, apps/serve_front.py) against a fake vLLM upstream on loopback, driven by
+"""`softprompt-plus serve` (serve/app.py, serve/front.py) against a fake vLLM upstream on loopback, driven by
 the real `openai` client: what was forwarded (the exact embeddings, never a client tensor), streaming, adapters added
 and removed while it runs, and every refusal."""
 
@@ -28,11 +28,11 @@ from peft import get_peft_model
 
 from peft_softprompt_plus import SoftPromptPlusConfig, prompt_embeds, student_text
 from peft_softprompt_plus._names import VLLM_KV_PARAM
-from peft_softprompt_plus.apps.serve import build_app
-from peft_softprompt_plus.apps.serve_front import Front
-from peft_softprompt_plus.apps.serve_requests import FrontError as FrontError_
 from peft_softprompt_plus.apps.tiny import save_tiny
 from peft_softprompt_plus.files.content_hash import content_hash
+from peft_softprompt_plus.serve.app import build_app
+from peft_softprompt_plus.serve.front import Front
+from peft_softprompt_plus.serve.requests import FrontError as FrontError_
 
 TEMPLATE = (
     "{% if messages[0]['role'] != 'system' %}<|system|>You are a helpful bot.\n{% endif %}"
@@ -523,8 +523,8 @@ def test_fuzzed_bodies_get_a_json_4xx_or_a_200_and_the_front_keeps_serving(stack
 def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_keys_values(stack):
     from safetensors.torch import load_file
 
-    from peft_softprompt_plus.apps.serve_kv import check_served
     from peft_softprompt_plus.files.inspect_adapter import read_adapter
+    from peft_softprompt_plus.serve.kv_fields import check_served
 
     front = stack["front"]
     share = stack["root"] / "kv-share"
@@ -587,8 +587,8 @@ def test_kv_adapters_go_to_vllm_s_connector_as_placeholders_and_their_published_
 
 
 def test_the_cli_s_host_names_add_to_loopback_and_limit_a_public_front(stack, monkeypatch):
-    from peft_softprompt_plus.apps import serve
     from peft_softprompt_plus.apps.cli import main
+    from peft_softprompt_plus.serve import app as serve
 
     seen = []
     monkeypatch.setattr(serve, "main", lambda args: seen.append(args) or 0)

@@ -1,4 +1,4 @@
-"""`softprompt-plus serve` against the real vLLM: fuzzed request bodies (tests/apps/serve_bodies.py), the load of 64
+"""`softprompt-plus serve` against the real vLLM: fuzzed request bodies (tests/serve/serve_bodies.py), the load of 64
 concurrent requests over input and KV adapters against the same requests sent straight to vLLM (with the front's own
 CPU seconds), and vLLM's prefix cache for an adapter with a long kept-text prefix. The front and vLLM share this
 machine's CPU cores."""
@@ -16,7 +16,7 @@ from _vllm_server import KEY, b64, post, prefix_cache, ttft
 
 from peft_softprompt_plus._names import SAVED_KEY, SAVED_KV_KEY, VLLM_KV_PARAM, VLLM_KV_SERVED
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "apps"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "serve"))
 QUESTIONS = [
     "The capital of Italy is",
     "My favourite food is",
