@@ -191,7 +191,7 @@ def test_compositions_name_loaded_kv_adapters_and_are_rebuilt_when_one_is_replac
     ]:
         with pytest.raises(FrontError, match=words):
             front.compose("bad", parts)
-    with pytest.raises(FrontError, match="taken or invalid"):
+    with pytest.raises(FrontError, match="`--compose` name .a. is taken: use a name no adapter has"):
         front.compose("a", ["a", "b"])
     front.compose("ab", ["a", "b"])
     try:

@@ -184,3 +184,18 @@ def test_the_front_takes_no_field_vllm_does_not_define_but_at_a_neutral_value(ro
                 with pytest.raises(FrontError, match=f"`{name}` is not a field this front takes"):
                     parse(route, {**REQUIRED[route], name: value}, Limits())
         assert name not in parse(route, {**REQUIRED[route], name: NEUTRAL[name][0]}, Limits()).options
+
+
+@pytest.mark.parametrize("name", ["", "org/model", "x" * 129, 7, None, "tiny-base"])
+def test_an_adapter_name_is_checked_in_one_place_for_adapters_and_compositions(name):
+    from peft_softprompt_plus.serve.requests import check_adapter_name
+
+    for what in ("adapter name", "`--compose` name"):
+        with pytest.raises(FrontError, match=f"{what} .* is invalid: use a string of 1 to 128 characters without '/'"):
+            check_adapter_name(name, "tiny-base", what)
+    check_adapter_name("x" * 128, "tiny-base")
+
+
+def test_the_default_max_tokens_is_the_route_s():
+    limits = Limits(default_max_tokens=300)
+    assert (limits.default_max_tokens_for("chat"), limits.default_max_tokens_for("completions")) == (300, 16)

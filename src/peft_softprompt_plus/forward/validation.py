@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..method.rotary_fold import smallest_window
 from ..method.tasks import task_name
 from . import semantics
 
@@ -241,7 +242,7 @@ def kv_refused(model: nn.Module, config, layout) -> Optional[str]:
 def window_refused(model: nn.Module, start: Optional[int], n: int) -> Optional[str]:
     """Why N stored keys read with the text at `start` can't be exact on `model`, or None: a sliding window
     measures a prompt key's distance by its index among the N, which is its position only when `start` is N."""
-    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    window = smallest_window(getattr(model, "config", None))
     if start is None or start == n or not window:
         return None
     return (

@@ -16,6 +16,7 @@ from torch import nn
 from ..forward import semantics
 from ..forward.kv_values import KVLayout
 from .prompt_init import load_tokenizer
+from .rotary_fold import smallest_window
 
 Config = Any  # a SoftPromptPlusConfig
 
@@ -43,7 +44,7 @@ def _check_fits(config: Config, model: nn.Module, length: int) -> None:
             f"`prompt_init_texts` join to {length} tokens, and {type(model).__name__} reads {limit} positions: no "
             "room for text after them. Pass fewer or shorter demonstrations."
         )
-    window = getattr(model.config, "sliding_window", None)
+    window = smallest_window(model.config)
     if window and length >= window:
         raise ValueError(
             f"`prompt_init_texts` join to {length} tokens, and {type(model).__name__}'s sliding window is {window}: a "

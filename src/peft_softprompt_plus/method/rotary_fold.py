@@ -191,6 +191,15 @@ def layer_windows(model_config: ModelConfig) -> list[Optional[int]]:
     return [window if kind == "sliding_attention" else None for kind in types]
 
 
+def smallest_window(model_config: Optional[ModelConfig]) -> Optional[int]:
+    """The narrowest sliding window any layer of the model reads with (`layer_windows`), None where none has one:
+    the one reading of a model's windows that the demonstrations start, the forward's KV checks and the fold use."""
+    if model_config is None or not getattr(_text_config(model_config), "sliding_window", None):
+        return None
+    windows = [w for w in layer_windows(model_config) if w]
+    return min(windows) if windows else None
+
+
 def check_fold_window(
     model_config: ModelConfig, num_virtual_tokens: int, from_start: int, to_start: int, text_length: int
 ) -> None:

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from .fit import at_n
-from .requests import FrontError
+from .requests import FrontError, check_adapter_name
 
 
 def composed(name: str, parts: tuple[str, ...], adapters: dict, model_config) -> tuple[torch.Tensor, Optional[int]]:
@@ -70,8 +70,9 @@ class Compositions:
 
     def compose(self, name: str, parts):
         """Serve the loaded KV adapters `parts` composed, under `name` (`--compose NAME=a,b`)."""
-        if not isinstance(name, str) or not name or name == self.base_name or "/" in name or name in self.adapters:
-            raise FrontError(400, f"`--compose` name {name!r} is taken or invalid: use a name no adapter has.")
+        check_adapter_name(name, self.base_name, "`--compose` name")
+        if name in self.adapters:
+            raise FrontError(400, f"`--compose` name {name!r} is taken: use a name no adapter has.")
         held: list = []
         try:
             with self._lock:

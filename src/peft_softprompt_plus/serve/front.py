@@ -30,11 +30,9 @@ from ..files.inspect_adapter import read_adapter
 from . import fit, kv_fields
 from .compose import Compositions
 from .embeds import prompt_block, text_embeddings
-from .requests import Call, FrontError, Limits
+from .requests import Call, FrontError, Limits, check_adapter_name
 from .salts import Salts
 from .share import Share, check_folder
-
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's Completions default
 
 
 @dataclass(frozen=True)
@@ -106,8 +104,7 @@ class Front(Compositions):
     def add(self, name: str, folder: str) -> Adapter:
         """Build adapter `name` from the local `folder`, then serve it (replacing one of that name). Refused if it
         was made for another base or width; a refusal leaves what is served unchanged."""
-        if not isinstance(name, str) or not name or name == self.base_name or "/" in name or len(name) > 128:
-            raise FrontError(400, f"adapter name {name!r} is taken or invalid: use a name other than the base's.")
+        check_adapter_name(name, self.base_name)
         if not isinstance(folder, str) or not os.path.isdir(folder):
             raise FrontError(
                 400, f"`path`={folder!r} is not a folder on the server: adapters load from local folders only."
@@ -229,7 +226,7 @@ class Front(Compositions):
                 f"model has {limit}: no room is left for an answer. Shorten the input.",
             )
         if call.max_tokens is None:
-            default = self.limits.default_max_tokens if call.route == "chat" else COMPLETION_DEFAULT_MAX_TOKENS
+            default = self.limits.default_max_tokens_for(call.route)
             return default if room is None else min(default, room)
         if room is not None and call.max_tokens > room:
             raise FrontError(

@@ -16,7 +16,7 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
-from .front import COMPLETION_DEFAULT_MAX_TOKENS, Adapter, Front, Outgoing
+from .front import Adapter, Front, Outgoing
 from .health import Health
 from .requests import HEALTH_INTERVAL_S, Call, FrontError
 from .upstream import Upstream
@@ -110,8 +110,7 @@ class Ops:
         """Count `call` in flight, or refuse it: a 429 past either limit, a 400 when it alone is past the tokens'."""
         limits = self.front.limits
         ticket.model = call.model
-        default = limits.default_max_tokens if call.route == "chat" else COMPLETION_DEFAULT_MAX_TOKENS
-        tokens = len(call.prompts) * call.n * (call.max_tokens or default)
+        tokens = len(call.prompts) * call.n * (call.max_tokens or limits.default_max_tokens_for(call.route))
         if tokens > limits.max_tokens_in_flight:
             raise FrontError(
                 400,

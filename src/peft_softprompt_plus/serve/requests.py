@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's Completions default
+NAME_MAX = 128  # the longest adapter name: it is a metric label and a log field
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # the Host names a loopback front answers to (DNS rebinding)
 HEALTH_INTERVAL_S = 10  # `--health-interval`: how long one check of the engine and its connector is trusted
 
@@ -56,6 +58,10 @@ class Limits:
         metadata={"help": "Seconds a request may take from its first byte to its answer's last (504 past it)."},
     )
 
+    def default_max_tokens_for(self, route: str) -> int:
+        """`max_tokens` of a request that sets none: `default_max_tokens` for Chat, OpenAI's 16 for Completions."""
+        return self.default_max_tokens if route == "chat" else COMPLETION_DEFAULT_MAX_TOKENS
+
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
@@ -75,6 +81,18 @@ class Call:
     stream: bool
     options: dict  # passed to vLLM's /v1/completions as they are
     top_logprobs: Optional[int] = None  # Chat only: how many alternatives each token's logprobs list
+
+
+def check_adapter_name(name: Any, base_name: str, what: str = "adapter name") -> None:
+    """Refuse a name a served adapter or composition can't have: not a non-empty string, the base's own, holding a
+    `/` (a path, or a Hub id), or longer than NAME_MAX."""
+    ok = isinstance(name, str) and 0 < len(name) <= NAME_MAX and name != base_name and "/" not in name
+    if not ok:
+        raise FrontError(
+            400,
+            f"{what} {name!r:.80} is invalid: use a string of 1 to {NAME_MAX} characters without '/', other than the "
+            f"base's name {base_name!r}.",
+        )
 
 
 def _show(value: Any) -> str:
