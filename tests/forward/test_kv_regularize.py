@@ -145,10 +145,10 @@ def test_dropout_repeats_under_a_seed_spares_frozen_positions_and_is_off_in_eval
     assert seen[-1] is None
 
 
-def test_checkpointing_reads_the_same_dropout_mask(tok, tok_dir):
-    grads = []
-    for checkpointing in (False, True):
-        model = _model(tok, tok_dir, False, kv_position_dropout=0.3)
+def test_checkpointing_reads_the_same_dropout_mask(tok, tok_dir, monkeypatch):
+    grads, seen = [], _keeps(None, monkeypatch)
+    for checkpointing, dropout in ((False, 0.3), (True, 0.3), (False, 0.0)):
+        model = _model(tok, tok_dir, False, kv_position_dropout=dropout, kv_leave_one_out=False)
         if checkpointing:
             checkpointing_on(model.get_base_model(), reentrant=False)
         model.train()
@@ -157,6 +157,10 @@ def test_checkpointing_reads_the_same_dropout_mask(tok, tok_dir):
         model(input_ids=ids, adapter_names=["demo", "demo"]).logits.square().mean().backward()
         grads.append(model.base_model.prompt("demo").grad)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+    dropped = [keep for keep in seen if keep is not None]
+    assert dropped and all(torch.equal(keep, dropped[0]) for keep in dropped)  # one mask, read again on recompute
+    assert not dropped[0].all()  # positions were dropped: the equality above is not dropout doing nothing
+    assert not torch.allclose(grads[0], grads[2])  # and the gradient shows it, against no dropout
 
 
 def test_the_trainer_hands_a_collator_s_demonstration_index_to_the_forward(tok, tok_dir, tmp_path, monkeypatch):
@@ -166,9 +170,12 @@ def test_the_trainer_hands_a_collator_s_demonstration_index_to_the_forward(tok, 
     seen = []
     real = kv_regularize.row_keep
 
+    keeps = []
+
     def spy(tuner, route, input_ids, attention_mask, demonstration_index, width, batch):
         seen.append(demonstration_index)
-        return real(tuner, route, input_ids, attention_mask, demonstration_index, width, batch)
+        keeps.append(real(tuner, route, input_ids, attention_mask, demonstration_index, width, batch))
+        return keeps[-1]
 
     monkeypatch.setattr(kv_regularize, "row_keep", spy)
     rows = [{"input_ids": _row(tok, i)[:3], "index": i} for i in range(3)]
@@ -181,8 +188,17 @@ def test_the_trainer_hands_a_collator_s_demonstration_index_to_the_forward(tok, 
         str(tmp_path), per_device_train_batch_size=3, max_steps=1, report_to=[], use_cpu=True,
         remove_unused_columns=False, save_strategy="no",
     )  # fmt: skip
+    start = model.base_model.prompt("demo").detach().clone()
     Trainer(model=model, args=args, train_dataset=rows, data_collator=collate).train()
-    assert [sorted(t.tolist()) for t in seen if t is not None] == [[0, 1, 2]]  # the batch, shuffled
+    (order,) = [t.tolist() for t in seen if t is not None]
+    assert sorted(order) == [0, 1, 2]  # the batch, shuffled
+    (keep,) = [k for k in keeps if k is not None]
+    spans = model.peft_config["demo"].demonstration_spans
+    for row, i in enumerate(order):  # each row reads every position but its own demonstration's
+        wanted = torch.ones(keep.shape[1], dtype=torch.bool)
+        wanted[spans[i][0] : spans[i][1]] = False
+        assert torch.equal(keep[row].cpu(), wanted), (row, i)
+    assert not torch.equal(model.base_model.prompt("demo").detach(), start)  # the step reached the prompt
 
 
 def test_the_attach_probe_reads_every_position_despite_dropout(tok, tok_dir):

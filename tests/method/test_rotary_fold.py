@@ -77,11 +77,20 @@ def test_keys_of_a_text_at_s_fold_to_its_keys_at_t(name):
 
 
 def test_yarn_s_scaling_is_in_the_stored_keys_and_never_applied_again():
-    layers = rotary_layers(_yarn())
-    assert layers[0].attention_scaling > 1.1  # transformers bakes it into cos/sin, so the test above covers it
-    keys = torch.randn(2, 4, 16, dtype=torch.float32)
-    turned = rotate_keys(keys, layers[0], 7)
-    torch.testing.assert_close(turned.norm(dim=-1), keys.norm(dim=-1))  # a rotation: no scale
+    """Against transformers' own YaRN rotary: a turn by p is its rotation at position p, without the attention
+    scaling it bakes into cos/sin (the stored keys carry that scale once already)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = _yarn()
+    layer = rotary_layers(config)[0]
+    assert layer.attention_scaling > 1.1
+    rope = LlamaRotaryEmbedding(config)
+    keys = torch.randn(1, 4, 3, 16)  # [B, Hkv, T, hd]
+    for shift in (7, 300):
+        cos, sin = rope(keys, torch.full((1, 3), shift))  # [1, T, hd], times the scaling
+        want, _ = apply_rotary_pos_emb(keys, keys, cos / layer.attention_scaling, sin / layer.attention_scaling)
+        torch.testing.assert_close(rotate_keys(keys[0], layer, shift), want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rotate_keys(keys[0], layer, 7).norm(dim=-1), keys[0].norm(dim=-1))  # no scale
 
 
 def test_per_layer_rope_and_layers_without_rotary():
@@ -107,18 +116,13 @@ def test_partial_rotary_turns_only_its_share_and_pairing_is_the_family_s():
 
 
 def test_angles_are_float64():
-    # At a shift of 10^6 a float32 angle is off by up to 0.03 rad; the fold's float64 angles are not.
+    """Turning by a million positions and back lands where turning by the difference does: with float32 angles each
+    turn is off by up to 0.03 rad at that shift; with the fold's float64 angles the round trip is exact to float32."""
     rotary = rotary_layers(family_config("llama"))[0]
     keys = torch.randn(2, 3, 16)
-    shift = 1_000_003
-    angle = shift * rotary.inv_freq.double()
-    x = keys.double()
-    a, b = x[..., :8], x[..., 8:]
-    want = torch.cat((a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()), dim=-1).float()
-    torch.testing.assert_close(rotate_keys(keys, rotary, shift), want, atol=1e-6, rtol=1e-6)
-    angle32 = (shift * rotary.inv_freq.float()).double()
-    in_float32 = torch.cat((a * angle32.cos() - b * angle32.sin(), b * angle32.cos() + a * angle32.sin()), dim=-1)
-    assert (in_float32.float() - want).abs().max() > 1e-3  # what a float32 angle would have given
+    far = rotate_keys(rotate_keys(keys, rotary, 1_000_003), rotary, -1_000_000)
+    torch.testing.assert_close(far, rotate_keys(keys, rotary, 3), atol=2e-6, rtol=1e-6)
+    assert far.dtype == torch.float32  # the keys' own dtype back
 
 
 @pytest.mark.parametrize(

@@ -429,3 +429,42 @@ def test_serving_without_prometheus_client_names_the_serve_extra(tmp_path, monke
     base = save_tiny(str(tmp_path / "tiny-base"))
     assert main(["serve", "--base", base, "--upstream", "http://127.0.0.1:9"]) == 2
     assert "serving needs the `serve` extra: pip install 'peft-softprompt-plus[serve]'" in capsys.readouterr().err
+
+
+def test_a_removal_never_holds_up_the_answer_of_the_request_that_frees_its_file(ops, monkeypatch):
+    """A `DELETE`d adapter's file goes once its last request is answered, in a worker thread: a slow disk's removal
+    (2 s here) delays neither that answer nor another request."""
+    front, share, folders, gate, seen = ops["front"], ops["share"], ops["folders"], ops["gate"], ops["seen"]
+    url = ops["url"]["gated"]
+    digest = front.add("kv-a", folders["kv-a"]).kv
+    path = share / f"{digest}.safetensors"
+    real_remove, removing = os.remove, threading.Event()
+
+    def slow_remove(target, *args, **kwargs):
+        if str(target) == str(path):
+            removing.set()
+            time.sleep(2.0)
+        return real_remove(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", slow_remove)
+    gate.clear()
+    seen.clear()
+    held = {}
+    try:
+        worker = threading.Thread(target=lambda: held.update(a=_post(url, {"model": "kv-a", "prompt": "the cat"})))
+        worker.start()
+        _wait_for(lambda: len(seen) == 1)
+        assert httpx.delete(url + "/v1/adapters/kv-a", timeout=WAIT_S).status_code == 200
+        assert path.exists()  # its request still reads it
+        released = time.perf_counter()
+        gate.set()
+        worker.join(WAIT_S)
+        took = time.perf_counter() - released
+        assert held["a"].status_code == 200 and took < 1.0, took
+        assert removing.wait(WAIT_S)  # the removal runs, slowly, while the front goes on serving
+        started = time.perf_counter()
+        assert httpx.get(url + "/v1/models", timeout=WAIT_S).status_code == 200
+        assert time.perf_counter() - started < 1.0
+    finally:
+        gate.set()
+    _wait_for(lambda: not path.exists())
