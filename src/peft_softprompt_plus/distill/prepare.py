@@ -154,26 +154,36 @@ def prepare(model, tokenizer, system_prompt: str, o: DistillOptions, given: Give
     )  # fmt: skip
 
 
-def _held(tokenizer, prompt: distill_data.Prepared, o: DistillOptions):
-    """A `selected` KV student's positions that `keep_text` holds: (the passage's, with the template's, with the
-    frozen sink too), read once from the system turn's offsets; None without a kept passage."""
+@dataclass(frozen=True)
+class Held:
+    """A `selected` KV student's positions of the system turn that `keep_text` holds as the teacher's keys/values."""
+
+    facts: tuple[int, ...]  # the kept passage's own positions
+    kept: tuple[int, ...]  # those and the template's, sorted: what the student keeps
+    forced: frozenset[int]  # those and the frozen sink: every position N must count
+
+
+def _held(tokenizer, prompt: distill_data.Prepared, o: DistillOptions) -> Optional[Held]:
+    """The positions `keep_text` holds, read once from the system turn's offsets; None without a kept passage."""
     if o.prompt_level != "kv" or o.prompt_init != "selected" or o.keep_text is None:
         return None
     facts, frame = distill_data.kept_positions(tokenizer, prompt, o.keep_text)
-    kept = sorted(set(facts) | set(frame))
-    return facts, kept, set(kept) | set(range(o.kv_frozen_positions or 0))
+    kept = tuple(sorted(set(facts) | set(frame)))
+    return Held(tuple(facts), kept, frozenset(kept) | frozenset(range(o.kv_frozen_positions or 0)))
 
 
-def _kv_n(prompt: distill_data.Prepared, o: DistillOptions, held) -> DistillOptions:
+def _kv_n(prompt: distill_data.Prepared, o: DistillOptions, held: Optional[Held]) -> DistillOptions:
     """`o` with a KV student's N left None settled: the selected positions of its recipe, plus the held ones (kept
     and the frozen sink), at most the system turn's length (every position: the teacher)."""
     if o.num_virtual_tokens is not None:
         return o
-    n = LEVEL_DEFAULTS["kv"]["num_virtual_tokens"] + (len(held[2]) if held else 0)
+    n = LEVEL_DEFAULTS["kv"]["num_virtual_tokens"] + (len(held.forced) if held else 0)
     return dataclasses.replace(o, num_virtual_tokens=min(n, len(prompt.prefix_ids)))
 
 
-def _kv_check(model, prompt: distill_data.Prepared, o: DistillOptions, held) -> tuple[tuple[int, ...], int]:
+def _kv_check(
+    model, prompt: distill_data.Prepared, o: DistillOptions, held: Optional[Held]
+) -> tuple[tuple[int, ...], int]:
     """A `selected` KV student's checks that need the system turn's tokens: the sliding window, and the kept
     positions, which N counts (returned, with how many of them are the passage's)."""
     if o.prompt_level != "kv" or o.prompt_init != "selected":
@@ -189,7 +199,7 @@ def _kv_check(model, prompt: distill_data.Prepared, o: DistillOptions, held) -> 
         )
     if held is None:
         return (), 0
-    facts, kept, forced = held
+    facts, kept, forced = held.facts, held.kept, held.forced
     frame = set(kept) - set(facts)
     if len(forced) > n:
         raise ValueError(

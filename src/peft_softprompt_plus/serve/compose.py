@@ -12,6 +12,7 @@ import torch
 
 from .fit import at_n
 from .requests import FrontError, check_adapter_name
+from .share import Share
 
 
 def composed(name: str, parts: tuple[str, ...], adapters: dict, model_config) -> tuple[torch.Tensor, Optional[int]]:
@@ -63,52 +64,53 @@ def recomposed(adapters: dict, compositions: dict, changed: str, model_config, p
 
 
 class Compositions:
-    """The front's compositions (mixed into `front.Front`, whose `adapters`, `_lock`, `share`, `kv_share` and
-    `base` it uses): `compositions` maps each name to its adapters' names."""
+    """The front's compositions by name, and the served records as adding one, replacing an adapter or removing one
+    changes them. It holds no adapters: each method takes the served records and returns the new ones, which the front
+    swaps in; every method runs under the front's lock, so `parts` changes with the records it matches. Files go
+    through `share`: each method appends the hashes it published to `held`, which `release` lets go."""
 
-    compositions: dict[str, tuple[str, ...]]
+    def __init__(self, share: Share, kv_share: Optional[str], model_config, base_name: str):
+        self.share, self.kv_share, self.model_config, self.base_name = share, kv_share, model_config, base_name
+        self.parts: dict[str, tuple[str, ...]] = {}  # composition name -> its KV adapters, in order
 
-    def compose(self, name: str, parts):
-        """Serve the loaded KV adapters `parts` composed, under `name` (`--compose NAME=a,b`)."""
+    def __contains__(self, name: str) -> bool:
+        return name in self.parts
+
+    def added(self, name: str, parts, adapters: dict, held: list) -> dict:
+        """`adapters` with the loaded KV adapters `parts` served composed under `name` (`--compose NAME=a,b`)."""
         check_adapter_name(name, self.base_name, "`--compose` name")
-        if name in self.adapters:
+        if name in adapters:
             raise FrontError(400, f"`--compose` name {name!r} is taken: use a name no adapter has.")
-        held: list = []
-        try:
-            with self._lock:
-                adapter = composition(name, tuple(parts), self.adapters, self.base.config, self._publisher(held))
-                self.adapters = {**self.adapters, name: adapter}
-                self.compositions = {**self.compositions, name: adapter.parts}
-        finally:
-            self._release(held)
-        return adapter
+        adapter = composition(name, tuple(parts), adapters, self.model_config, self._publisher(held))
+        self.parts = {**self.parts, name: adapter.parts}
+        return {**adapters, name: adapter}
 
-    def _swap_in(self, name: str, adapter) -> None:
-        """Serve `adapter` (its file published and held) as `name`, the compositions that name it rebuilt from it, or
-        change nothing; a composition of that name is replaced by it."""
-        held = [adapter.kv]
-        try:
-            with self._lock:
-                parts = {k: v for k, v in self.compositions.items() if k != name}
-                adapters = {**self.adapters, name: adapter}
-                rebuilt = recomposed(adapters, parts, name, self.base.config, self._publisher(held))
-                self.adapters, self.compositions = {**adapters, **rebuilt}, parts
-        finally:
-            self._release(held)  # and the files of what was replaced, unless a request reads them
+    def replaced(self, name: str, adapter, adapters: dict, held: list) -> dict:
+        """`adapters` with `adapter` (its file published) served as `name` and the compositions that name it rebuilt
+        from it; a composition of that name is replaced by it. A refusal changes nothing."""
+        parts = {k: v for k, v in self.parts.items() if k != name}
+        changed = {**adapters, name: adapter}
+        rebuilt = recomposed(changed, parts, name, self.model_config, self._publisher(held))
+        self.parts = parts
+        return {**changed, **rebuilt}
 
-    def _check_uncomposed(self, name: str) -> None:
-        """Refuse to remove an adapter a composition names (called under `_lock`)."""
-        using = sorted(k for k, parts in self.compositions.items() if name in parts)
+    def removed(self, name: str, adapters: dict) -> dict:
+        """`adapters` without `name`, refused (409) while a composition names it."""
+        using = sorted(k for k, parts in self.parts.items() if name in parts)
         if using:
             raise FrontError(409, f"adapter {name!r} is composed in {using}: remove those compositions first.")
+        self.parts = {k: v for k, v in self.parts.items() if k != name}
+        return {k: v for k, v in adapters.items() if k != name}
+
+    def release(self, held: list) -> None:
+        """The files `held` published let go (and those of what was replaced removed, unless a request reads them):
+        called from a worker thread, so the files go before the `PUT` or `--compose` answers."""
+        for digest in held:
+            self.share.release(digest, wait=True)
 
     def _publisher(self, held: list) -> Callable:
         def publish(config: dict, values: torch.Tensor) -> str:
-            held.append(self.share.publish(self.kv_share, config, values))  # held until `_release`
+            held.append(self.share.publish(self.kv_share, config, values))  # held until `release`
             return held[-1]
 
         return publish
-
-    def _release(self, held: list) -> None:
-        for digest in held:
-            self.share.release(digest, wait=True)  # a worker thread: the files go before the PUT answers

@@ -62,7 +62,7 @@ class Outgoing:
     payloads: list[bytes]
 
 
-class Front(Compositions):
+class Front:
     """The base model, its tokenizer and the served adapters. One PeftModel holds only the adapter being built
     (`_build_lock`); the served adapters are records swapped in whole (`_lock`), so removing one never waits for a
     build, and a failed build leaves the served one as it was."""
@@ -88,10 +88,10 @@ class Front(Compositions):
         self.salts = Salts()  # each adapter's `cache_salt`, secret, moved after a request ran without its KV prompt
         self.model: Optional[PeftModel] = None
         self.adapters: dict[str, Adapter] = {}
-        self.compositions: dict[str, tuple[str, ...]] = {}  # name -> its KV adapters, rebuilt when one is replaced
         self.engine = fit.engine_shape(self.base.config)  # the model vLLM serves, as vLLM reads it
         self._lock = threading.Lock()
         self.share = Share(named=lambda: {a.kv for a in self.adapters.values()})  # KV prompts' files
+        self.compositions = Compositions(self.share, kv_share, self.base.config, self.base_name)  # `--compose`
         self._build_lock = threading.Lock()
         self.max_positions = getattr(self.base.config, "max_position_embeddings", None)
         # A KV prompt's N positions go upstream as this id: the connector fills their keys/values before they run.
@@ -135,7 +135,23 @@ class Front(Compositions):
             first = (config.get("prompt_prefix_ids") or [None])[0]
             content = content_hash(config, {SAVED_KEY: prompt})  # the saved prompt: the block's rows beside it are ids
             adapter = Adapter(name, folder, n, chat, values.shape[0], content, values, first_hard=first)
-        self._swap_in(name, adapter)  # with the compositions that name it rebuilt (compose.py)
+        held = [adapter.kv]
+        try:
+            with self._lock:  # with the compositions that name it rebuilt (compose.py)
+                self.adapters = self.compositions.replaced(name, adapter, self.adapters, held)
+        finally:
+            self.compositions.release(held)  # and the files of what was replaced, unless a request reads them
+        return adapter
+
+    def compose(self, name: str, parts) -> Adapter:
+        """Serve the loaded KV adapters `parts` composed, under `name` (`--compose NAME=a,b`)."""
+        held: list = []
+        try:
+            with self._lock:
+                self.adapters = self.compositions.added(name, parts, self.adapters, held)
+                adapter = self.adapters[name]
+        finally:
+            self.compositions.release(held)
         return adapter
 
     def _build(self, folder: str, kv: bool) -> torch.Tensor:
@@ -162,9 +178,7 @@ class Front(Compositions):
         with self._lock:
             if name not in self.adapters:
                 raise FrontError(404, f"adapter {name!r} is not served here: GET /v1/models lists what is.")
-            self._check_uncomposed(name)
-            self.adapters = {k: v for k, v in self.adapters.items() if k != name}
-            self.compositions = {k: v for k, v in self.compositions.items() if k != name}
+            self.adapters = self.compositions.removed(name, self.adapters)
         self.share.release(wait=True)  # a worker thread: the file goes before the DELETE answers
 
     # ------------------------------------------------------------------ requests
