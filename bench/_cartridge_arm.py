@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM
 from peft_softprompt_plus.distill import data as distill_data
 from peft_softprompt_plus.distill import kv_start
 from peft_softprompt_plus.distill import score as distill_score
-from peft_softprompt_plus.distill.checks import LEVEL_DEFAULTS
 from peft_softprompt_plus.distill.prepare import STUDENT
+from peft_softprompt_plus.distill.refusals import LEVEL_DEFAULTS
 from peft_softprompt_plus.distill.teacher import TEACHER, attach_teacher
 from peft_softprompt_plus.distill.train import _batches
 

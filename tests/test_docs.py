@@ -397,7 +397,7 @@ def test_bench_readme_states_the_kv_sink_default_of_the_code():
 
 
 def test_the_distillation_defaults_the_docs_state_are_the_code_s():
-    from peft_softprompt_plus.distill.checks import LEVEL_DEFAULTS
+    from peft_softprompt_plus.distill.refusals import LEVEL_DEFAULTS
     from peft_softprompt_plus.distill.train import SELECTION_ROWS
 
     kv, text = LEVEL_DEFAULTS["kv"], (ROOT / "docs" / "distillation.md").read_text()

@@ -325,3 +325,12 @@ def test_the_modules_the_cli_checks_arguments_with_import_neither_torch_nor_peft
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_no_two_library_modules_share_a_basename():
+    # A file name says which module it is, in a traceback, a log line or a grep, without its folder.
+    seen: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

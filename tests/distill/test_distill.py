@@ -357,7 +357,7 @@ def test_cli_distill_end_to_end_writes_a_loadable_adapter(chat_dir, tmp_path, ca
 def test_the_report_holds_saves_and_prints_the_options_it_ran_with(tok, base, tmp_path):
     model = _distill(base, tok, user_turns=USERS, steps=2, evaluate_at=(0, 2), prompt_level="kv")
     report = model.distill_report
-    # every None replaced by what ran: a KV student's defaults (checks.LEVEL_DEFAULTS), the sink clamped below N
+    # every None replaced by what ran: a KV student's defaults (refusals.LEVEL_DEFAULTS), the sink clamped below N
     assert report.options == DistillOptions(
         num_virtual_tokens=4, steps=2, batch_size=4, max_new_tokens=6, lr=5e-2, evaluate_at=(0, 2),
         prompt_level="kv", prompt_init="selected", self_study=True, kv_frozen_positions=1,

@@ -12,8 +12,8 @@ from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir, distill  # noqa: F40
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus.distill import kv_start, score, teacher
-from peft_softprompt_plus.distill.checks import LEVEL_DEFAULTS
 from peft_softprompt_plus.distill.data import prepare
+from peft_softprompt_plus.distill.refusals import LEVEL_DEFAULTS
 from peft_softprompt_plus.distill.score import token_kl
 
 KW = {"steps": 2, "batch_size": 4, "max_new_tokens": 4, "samples_per_turn": 1, "held_out_samples_per_turn": 1}

@@ -364,7 +364,7 @@ def test_report_str_lists_code_message_and_fix(make_peft):
 
 def test_every_code_has_a_fix_and_runs_on_clean_evidence(make_peft):
     # One table holds each check with its fix; on a healthy model no check finds anything.
-    from peft_softprompt_plus.gradients.checks import CHECKS
+    from peft_softprompt_plus.gradients.causes import CHECKS
 
     assert [c.code for c in CHECKS] == list(FINDING_CODES) and len(set(FINDING_CODES)) == len(CHECKS)
     assert all(c.fix.strip() and c.fix[0].isupper() for c in CHECKS)

@@ -2,6 +2,7 @@
 `accelerate launch`. Each rank writes what it ended with; the ranks must agree bit for bit and have trained."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 pytestmark = pytest.mark.xdist_group("distributed")
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_ddp_worker.py")
-TIMEOUT_S = 240
+TIMEOUT_S = 120  # a launch takes ~6 s here; a hung one is tried once more
 
 
 def _free_port() -> int:
@@ -48,13 +49,32 @@ WORKER_FLAGS = {
 
 def _launch(launcher: str, out) -> list[dict]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    start = LAUNCHERS[launcher.split("-")[0]](_free_port())
-    cmd = start + [WORKER, "--out", str(out), *WORKER_FLAGS[launcher]]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, (
-        f"{launcher} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
+    hung = []
+    for _ in range(2):  # a launch that hangs is tried once more on a fresh port; one that fails is not
+        start = LAUNCHERS[launcher.split("-")[0]](_free_port())
+        cmd = start + [WORKER, "--out", str(out), *WORKER_FLAGS[launcher]]
+        code, stdout, stderr = _run(cmd, env)
+        if code is not None:
+            break
+        hung.append(stderr[-2000:])
+    assert code == 0, f"{launcher} failed ({code}; hung before: {hung}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+
+
+def _run(cmd: list[str], env: dict) -> tuple:
+    """(exit code, stdout, stderr); the code None where the launch outlived TIMEOUT_S: the launcher and its ranks are
+    killed as a group then (a rank left waiting for a port another test took between `_free_port` and its bind would
+    outlive a plain kill)."""
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return None, stdout, stderr
+    return proc.returncode, stdout, stderr
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ LIGHT = {
             "serve.requests",
             "apps.distill_args",
             "distill",
-            "distill.checks",
+            "distill.refusals",
             "distill.options",
             "distill.content",
         )

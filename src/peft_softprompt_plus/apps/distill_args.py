@@ -196,7 +196,7 @@ def _distill(args) -> int:
         raise ValueError(
             f"`--system-prompt-file`={args.system_prompt_file!r} is empty. Write the system prompt to distill in it."
         )
-    from ..distill.checks import level_defaults, level_problems, study_problems  # the standard library only
+    from ..distill.refusals import level_defaults, level_problems, study_problems  # the standard library only
 
     chosen = level_defaults(args.prompt_level, lr=args.lr, prompt_init=args.prompt_init, self_study=args.self_study)
     args.lr, args.prompt_init, args.self_study = chosen["lr"], chosen["prompt_init"], chosen["self_study"]

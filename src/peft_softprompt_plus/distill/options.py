@@ -21,7 +21,7 @@ def _option(default, help: str, **extra):
 @dataclass
 class DistillOptions:
     """Every choice `distill_prompt` makes, with the measured defaults. `None` means the student form's own default
-    (`checks.LEVEL_DEFAULTS`). See docs/distillation.md."""
+    (`refusals.LEVEL_DEFAULTS`). See docs/distillation.md."""
 
     # The student.
     num_virtual_tokens: Optional[int] = _option(

@@ -15,8 +15,8 @@ from peft import PeftModel, get_peft_model
 from ..forward import semantics, validation
 from . import content as distill_content
 from . import data as distill_data
-from .checks import LEVEL_DEFAULTS, keep_text_form, level_defaults, level_problems, problems_of, study_problems
 from .options import DistillOptions
+from .refusals import LEVEL_DEFAULTS, keep_text_form, level_defaults, level_problems, problems_of, study_problems
 from .teacher import (
     TEACHER,
     DistillSamples,

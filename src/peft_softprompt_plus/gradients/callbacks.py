@@ -8,7 +8,7 @@ from typing import Optional
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from . import flow as gradient_flow
-from .report import GradientFlowReport
+from .findings import GradientFlowReport
 
 _ON_FAILURE = ("raise", "warn")
 

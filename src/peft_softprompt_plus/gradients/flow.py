@@ -18,9 +18,9 @@ from torch import nn
 
 from .._moved import user_stacklevel
 from ..method.tasks import task_of
-from .checks import run_checks
+from .causes import run_checks
 from .evidence import Evidence, has_graph, prompts_of, static_evidence, tuners_of
-from .report import GradientFlowError, GradientFlowReport, GradientFlowWarning
+from .findings import GradientFlowError, GradientFlowReport, GradientFlowWarning
 
 
 def _report(ev: Evidence) -> GradientFlowReport:

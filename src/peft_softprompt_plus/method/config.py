@@ -10,7 +10,7 @@ from peft.utils import PeftType
 
 from .._names import METHOD
 from .config_checks import CHECKS, CHOICES, KV_FROZEN_DEFAULT, is_kv
-from .options import ForwardPath, PromptInit, PromptLevel, Reparameterization, ValidateGradients
+from .enums import ForwardPath, PromptInit, PromptLevel, Reparameterization, ValidateGradients
 
 __all__ = [
     "ForwardPath",

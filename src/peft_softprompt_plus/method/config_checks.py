@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from . import placement
-from .options import ForwardPath, PromptInit, PromptLevel, Reparameterization, ValidateGradients
+from .enums import ForwardPath, PromptInit, PromptLevel, Reparameterization, ValidateGradients
 from .tasks import task_of
 
 Config = Any  # a SoftPromptPlusConfig: config.py imports this module, so the type is named, not imported
@@ -246,7 +246,7 @@ def _kv(c: Config) -> Optional[str]:
 
 # No position frozen unless asked: on the task suite a KV prompt trained at every position, as PEFT PREFIX_TUNING
 # trains, was ahead of one with its first position frozen (bench/RESULTS.md). A KV student freezes its sink: its own
-# measured recipe (distill/checks.py).
+# measured recipe (distill/refusals.py).
 KV_FROZEN_DEFAULT = 0
 
 

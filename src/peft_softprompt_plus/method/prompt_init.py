@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .options import PromptInit
+from .enums import PromptInit
 
 Config = Any  # a SoftPromptPlusConfig (its checks import this module through placement)
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..method import tying
 from .evidence import _NOT_RUN, Evidence, has_graph
-from .report import Finding
+from .findings import Finding
 
 
 def _shape(t: torch.Tensor) -> str:
