@@ -2,10 +2,12 @@
 `accelerate launch`. Each rank writes what it ended with; the ranks must agree bit for bit and have trained."""
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -16,12 +18,22 @@ pytestmark = pytest.mark.xdist_group("distributed")
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_ddp_worker.py")
 TIMEOUT_S = 120  # a launch takes ~6 s here; a hung one is tried once more
+PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range. Every other test's server binds port 0, which the system picks in
+    that range: a launcher's rendezvous port taken by one of them between this check and the launcher's bind (a few
+    seconds: torch loads first) left a rank talking to an HTTP server, hung."""
+    low = int(open(PORTS).read().split()[0]) if os.path.exists(PORTS) else 32768
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _torchrun(port: int) -> list[str]:
@@ -62,19 +74,34 @@ def _launch(launcher: str, out) -> list[dict]:
 
 
 def _run(cmd: list[str], env: dict) -> tuple:
-    """(exit code, stdout, stderr); the code None where the launch outlived TIMEOUT_S: the launcher and its ranks are
-    killed as a group then (a rank left waiting for a port another test took between `_free_port` and its bind would
-    outlive a plain kill)."""
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    """(exit code, stdout, stderr); the code None where the launch outlived TIMEOUT_S. Its output goes to files, not
+    pipes (a rank that outlives its launcher would hold a pipe open), and on a timeout the launcher's group and every
+    rank started with `cmd`'s `--out` folder are killed."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            code = proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+            _kill(proc.pid, cmd[cmd.index("--out") + 1])
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return code, out.read(), err.read()
+
+
+def _kill(group: int, marker: str) -> None:
     try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        return None, stdout, stderr
-    return proc.returncode, stdout, stderr
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):  # ranks in sessions of their own
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                if marker.encode() in handle.read():
+                    os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 @pytest.mark.slow
