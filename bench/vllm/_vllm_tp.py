@@ -90,18 +90,26 @@ def rows(tokenizer) -> list[tuple[str, object, list[int]]]:
     return out
 
 
-def references(path: str, folders: dict[str, str]) -> tuple[dict[str, list[str]], dict]:
-    """Our `generate`'s greedy text per served name (and the base's), one row at a time; and facts on the adapters."""
-    import torch
+def load_all(path: str, folders: dict[str, str]):
+    """The base at `path` with every adapter of `folders` loaded under its served name, in eval mode."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
     names = list(folders)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), folders[names[0]], names[0])
     for name in names[1:]:
         model.load_adapter(folders[name], adapter_name=name)
-    model.eval()
+    return model.eval()
+
+
+def references(path: str, folders: dict[str, str]) -> tuple[dict[str, list[str]], dict]:
+    """Our `generate`'s greedy text per served name (and the base's), one row at a time; and facts on the adapters."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    names = list(folders)
+    model = load_all(path, folders)
     active = {**{n: n for n in names}, COMPOSE[0]: list(COMPOSE[1])}
     wanted = {}
 

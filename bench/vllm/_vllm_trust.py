@@ -122,15 +122,12 @@ def references(path: str, folders: dict[str, str], placeholder: int, prompts: tu
     """Our `generate`'s greedy text for each adapter and prompt; and the base reading a big adapter's placeholders
     then prompts[0] (what a client without the adapter's blocks gets)."""
     import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from _vllm_tp import load_all
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     names = list(folders)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), folders[names[0]], names[0])
-    for name in names[1:]:
-        model.load_adapter(folders[name], adapter_name=name)
-    model.eval()
+    model = load_all(path, folders)
     greedy = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
 
     def text(out, ids) -> str:

@@ -117,6 +117,15 @@ def _value(samples: dict, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def _held_request(url: str, seen: list, held: dict, model: str) -> threading.Thread:
+    """A request for `model` sent in a thread (its answer into `held["a"]`), returned once the gated vLLM holds it."""
+    seen.clear()
+    worker = threading.Thread(target=lambda: held.update(a=_post(url, {"model": model, "prompt": "the cat"})))
+    worker.start()
+    _wait_for(lambda: len(seen) == 1)
+    return worker
+
+
 def _wait_for(condition) -> None:
     deadline = time.time() + WAIT_S
     while not condition() and time.time() < deadline:
@@ -278,12 +287,9 @@ def test_share_files_are_rehashed_group_readable_and_removed_once_nothing_reads_
     assert httpx.delete(url + "/v1/adapters/kv-b", timeout=WAIT_S).status_code == 200
     # Removed while a request reads it: the file stays until that request is answered.
     gate.clear()
-    seen.clear()
     held = {}
     try:
-        worker = threading.Thread(target=lambda: held.update(a=_post(url, {"model": "kv-a", "prompt": "the cat"})))
-        worker.start()
-        _wait_for(lambda: len(seen) == 1)
+        worker = _held_request(url, seen, held, "kv-a")
         assert httpx.delete(url + "/v1/adapters/kv-a", timeout=WAIT_S).status_code == 200
         assert (share / f"{digests['kv-a']}.safetensors").exists()
         gate.set()
@@ -448,12 +454,9 @@ def test_a_removal_never_holds_up_the_answer_of_the_request_that_frees_its_file(
 
     monkeypatch.setattr(os, "remove", slow_remove)
     gate.clear()
-    seen.clear()
     held = {}
     try:
-        worker = threading.Thread(target=lambda: held.update(a=_post(url, {"model": "kv-a", "prompt": "the cat"})))
-        worker.start()
-        _wait_for(lambda: len(seen) == 1)
+        worker = _held_request(url, seen, held, "kv-a")
         assert httpx.delete(url + "/v1/adapters/kv-a", timeout=WAIT_S).status_code == 200
         assert path.exists()  # its request still reads it
         released = time.perf_counter()
