@@ -242,8 +242,10 @@ def kv_refused(model: nn.Module, config, layout) -> Optional[str]:
 def window_refused(model: nn.Module, start: Optional[int], n: int) -> Optional[str]:
     """Why N stored keys read with the text at `start` can't be exact on `model`, or None: a sliding window
     measures a prompt key's distance by its index among the N, which is its position only when `start` is N."""
+    if start is None or start == n:  # the common case, on every forward: no window read
+        return None
     window = smallest_window(getattr(model, "config", None))
-    if start is None or start == n or not window:
+    if not window:
         return None
     return (
         f"`kv_text_start`={start} with num_virtual_tokens={n} on {type(model).__name__}, whose layers have a sliding "

@@ -8,7 +8,6 @@ worker threads reserve.
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,9 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from .front import Adapter, Front, Outgoing
 from .health import Health
 from .requests import HEALTH_INTERVAL_S, Call, FrontError
-from .upstream import Upstream
+from .upstream import Upstream, log
 
-log = logging.getLogger("peft_softprompt_plus.serve")
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: a request in flight takes about that long to free its place
 UNKNOWN = "unknown"  # the adapter label of a request that names nothing served: clients can't add label sets
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # a reply takes ms to minutes
