@@ -661,3 +661,14 @@ def test_bench_readme_names_every_vllm_check_part():
         line for line in (ROOT / "bench" / "README.md").read_text().splitlines() if "| `vllm_check.py` |" in line
     )
     assert len(parts) >= 10 and [p for p in parts if f"`{p}`" not in row] == []
+
+
+def test_serving_md_states_the_connector_s_cache_bound_and_the_share_folder_s_mode():
+    from peft_softprompt_plus.integrations.kv_connector_core import DEFAULT_CACHE_BYTES
+    from peft_softprompt_plus.serve.salts import SALT_HEX
+    from peft_softprompt_plus.serve.share import FOLDER_MODE
+
+    text = " ".join((ROOT / "docs" / "serving.md").read_text().split())
+    assert DEFAULT_CACHE_BYTES == 1 << 30 and "(1 GiB by default, `DEFAULT_CACHE_BYTES`)" in text
+    assert f"with mode {FOLDER_MODE:o}" in text.replace("mode 0750", "mode 750")
+    assert f"{SALT_HEX} hex digits of an HMAC-SHA-256" in text
