@@ -71,14 +71,15 @@ def test_only_the_registry_changes_peft():
     assert writers == {"peft_registry.py"}
 
 
-def test_readme_layout_lists_every_module():
-    readme = (ROOT / "README.md").read_text()
-    layout = readme[readme.index("## Layout") :]
+@pytest.mark.parametrize("page, heading", [("README.md", "## Layout"), ("docs/architecture.md", "## Layers")])
+def test_the_layout_maps_list_every_module(page, heading):
+    text = (ROOT / page).read_text()
+    layout = text[text.index(heading) :]
     missing = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if f"`{p.name}`" not in layout]
     missing += [
         f"{d.name}/" for d in PACKAGE.iterdir() if (d / "__init__.py").exists() and f"`{d.name}/`" not in layout
     ]
-    assert missing == [], f"README's layout misses {missing}"
+    assert missing == [], f"{page}'s layout misses {missing}"
 
 
 # The layers, top to bottom: a module may import its own layer and any layer listed before it, never one after.
@@ -107,8 +108,8 @@ UPWARD = {
     ("method.prompt_init", "files"),
     # A KV prompt's start is the input prompt its init names, run once through the frozen model; lifting or copying
     # a saved adapter reads it with the files layer's checked reader.
-    ("method.kv_prompt", "forward"),
-    ("method.kv_prompt", "files"),
+    ("method.kv_init", "forward"),
+    ("method.kv_init", "files"),
     # The demonstrations start checks its context against the model's positions and window, and reads the layout.
     ("method.demonstrations", "forward"),
     # A call with gradients disabled is reported through the probe's one warning.

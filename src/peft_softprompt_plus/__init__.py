@@ -33,10 +33,10 @@ _PUBLIC = {  # name -> the module that defines it
     "prompt_embeds": "serve.embeds",
     "to_cartridge": "files.cartridge",
     "from_cartridge": "files.cartridge",
-    "fold_kv_prompt": "method.rotary_fold",
-    "check_fold_window": "method.rotary_fold",
-    "fold_adapter": "files.kv_fold",
-    "save_folded": "files.kv_fold",
+    "fold_kv_prompt": "files.fold",
+    "check_fold_window": "files.fold",
+    "fold_adapter": "files.fold",
+    "save_folded": "files.fold",
     "pick_demonstrations": "method.demonstrations",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]

@@ -1,4 +1,4 @@
-"""KV prompts at the forward (forward/kv_values.py, `prompt_level='kv'`) on every family whose attention runs through
+"""KV prompts at the forward (forward/kv_pass.py, `prompt_level='kv'`) on every family whose attention runs through
 transformers' registry: against PEFT CARTRIDGE holding the same keys/values (its forward: logits, loss over labels
 1.., gradient), against the input prompt the KV prompt was lifted from (logits under left padding), with gradient
 checkpointing, in `generate` (a manual greedy loop; batched equals alone), mixed with input prompts and base rows,

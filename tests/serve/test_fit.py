@@ -228,7 +228,7 @@ def test_an_adapter_that_does_not_fit_the_engine_s_model_is_refused_at_load(llam
 
 def test_a_folded_request_a_sliding_window_would_cut_otherwise_is_refused():
     """Mistral's window 8, N=4 folded from 6: a request of 2 positions reads what it read at 6; 3 would not
-    (tests/method/test_rotary_fold.py measures both)."""
+    (tests/files/test_fold.py measures both)."""
     config_name, kwargs = FAMILIES["mistral"]
     config = getattr(transformers, config_name)(vocab_size=300, **kwargs)
     adapter = Adapter("w", "w-folder", 4, "template", 4, "h", kv="h", folded_from=6)

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..method.demonstrations import attention_received
-from ..method.kv_prompt import run_once
+from ..method.kv_init import run_once
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import attention, kv_values, semantics, validation
+from . import attention, kv_pass, semantics, validation
 from . import paths as forward_paths
 from .prompt_kv import PromptKV
 
@@ -48,7 +48,7 @@ class PromptKVStore:
         if computed:
             lasts = torch.cat([last for _, last in computed])  # [A_in, D]
             done = PromptKV.stack([kv for kv, _ in computed], row_prompts.rows), lasts
-        return kv_values.prompt_passes(model, row_prompts, 0, layout, done)
+        return kv_pass.prompt_passes(model, row_prompts, 0, layout, done)
 
     def drop(self, adapter: Optional[str] = None) -> None:
         if adapter is None:

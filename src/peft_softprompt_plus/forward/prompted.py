@@ -10,7 +10,7 @@ from ..gradients import flow as gradient_flow
 from ..method import placement
 from ..method.config import ForwardPath
 from ..method.tasks import Task, task_name, task_of
-from . import attention, generation, kv_regularize, kv_values, routing, semantics, validation
+from . import attention, generation, kv_regularize, kv_pass, routing, semantics, validation
 from . import paths as forward_paths
 
 
@@ -142,7 +142,7 @@ def forward(tuner, input_ids, attention_mask, inputs_embeds, labels, adapter_nam
             return (
                 _stored_passes(tuner, route, rows)
                 if reuse
-                else kv_values.prompt_passes(tuner.model, rows, in_text, layout)
+                else kv_pass.prompt_passes(tuner.model, rows, in_text, layout)
             )
 
         batch = forward_paths.attention_inputs(

@@ -13,7 +13,7 @@ from typing import Optional
 
 from torch import nn
 
-from . import attention, attention_owner, generation, kv_values
+from . import attention, attention_owner, generation, kv_pass
 from .generation import PromptKVStore
 
 
@@ -57,7 +57,7 @@ class ForwardState:
         self.attention = attention_owner.AttentionOwner(model)  # the only code that switches its implementation
         self.kv_store = PromptKVStore()
         self.attention_path = False  # whether the prompt enters at the attention (else it is concatenated)
-        self.kv_layout: Optional[kv_values.KVLayout] = None  # the attention layers a prompt's keys/values go to
+        self.kv_layout: Optional[kv_pass.KVLayout] = None  # the attention layers a prompt's keys/values go to
         self._before_prompting: Optional[BaseSettings] = None
         self._generate_hook = None
         self._per_call()
@@ -88,7 +88,7 @@ class ForwardState:
         task.on_attach(model)
         model.requires_grad_(False)
         self.attention.install(model)
-        self.kv_layout = kv_values.probe_layout(model)
+        self.kv_layout = kv_pass.probe_layout(model)
         self.attention_path = self.kv_layout is not None
         self._generate_hook = generation.install_hook(model)
         if not self.attention_path:

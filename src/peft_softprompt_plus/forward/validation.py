@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..method.rotary_fold import smallest_window
+from .windows import smallest_window
 from ..method.tasks import task_name
 from . import semantics
 

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from ..forward import semantics
-from ..forward.kv_values import KVLayout
+from ..forward.kv_pass import KVLayout
 from .prompt_init import load_tokenizer
-from .rotary_fold import smallest_window
+from ..forward.windows import smallest_window
 
 Config = Any  # a SoftPromptPlusConfig
 

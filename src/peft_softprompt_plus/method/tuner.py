@@ -20,7 +20,7 @@ from ..forward import paths as forward_paths
 from ..forward import prompted, routing, validation
 from ..forward.state import ForwardState
 from ..gradients import flow as gradient_flow
-from . import kv_prompt, placement, precision, reparam, tying
+from . import kv_init, placement, precision, reparam, tying
 from .config import ForwardPath, PromptLevel
 from .prompt_bank import LegacyBankView, SoftPromptBank, legacy_view
 from .prompt_init import initial_prompt, placeholder
@@ -73,7 +73,7 @@ class SoftPromptPlusModel(BaseTuner):
             if config.prompt_level == PromptLevel.KV:
                 self.forward_state.without_flash(model)
                 state = self.forward_state
-                values = kv_prompt.starting_values(
+                values = kv_init.starting_values(
                     config, model, state.kv_layout, loading.is_loading(), state.attention
                 )
             else:

@@ -1,7 +1,7 @@
 """Adapters made to fit the engine before anything is sent to it: each one checked against the base the front serves
 (the base it was trained on, its width); a KV adapter's shape checked against the engine's model as vLLM reads the
 base's config before anything is published for vLLM's connector (`kv_fields.py`), and its keys folded so that its text
-starts right after its N positions, where vLLM places it (`method/rotary_fold.py`); a request the fold would change
+starts right after its N positions, where vLLM places it (`files/fold.py`); a request the fold would change
 is refused."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Optional
 
 import torch
 
+from ..files.fold import check_fold_window, fold_kv_prompt, fold_refused
+from ..forward.windows import text_config
 from ..integrations.kv_connector_core import ModelShape, prompt_misfit
-from ..method.rotary_fold import check_fold_window, fold_kv_prompt, fold_refused
 from .requests import FrontError
 
 # vLLM 0.32's `ModelArchConfigConvertorBase.get_total_num_kv_heads`: the first of these the text config has, else
@@ -42,7 +43,7 @@ def check_base(name: str, folder: str, config: dict, base_name: str, width: int,
 def engine_shape(model_config) -> ModelShape:
     """The engine's model as vLLM 0.32 reads the base's config (`ModelArchConfigConvertorBase`): its text config's
     `num_hidden_layers`, its KV heads, and `head_dim` where set (> 0), else hidden size over attention heads."""
-    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    config = text_config(model_config)
     heads = getattr(config, "num_attention_heads", 0)
     kv_heads = next((getattr(config, a) for a in _KV_HEAD_ATTRIBUTES if getattr(config, a, None) is not None), heads)
     head_dim = getattr(config, "head_dim", None)

@@ -12,9 +12,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..forward import kv_values, validation
+from ..forward import kv_pass, validation
 from ..forward import paths as forward_paths
-from ..forward.kv_values import KVLayout, record_of
+from ..forward.kv_pass import KVLayout, record_of
+from ..forward.windows import text_config
 from . import demonstrations, placement
 from .prompt_init import initial_prompt
 
@@ -27,7 +28,7 @@ _KEY_SETTINGS = ("rope", "rotary", "position_embedding_type")
 def base_facts(model: nn.Module, layout: KVLayout) -> dict:
     """What a KV prompt's keys depend on in `model`: its type, the layers' key shapes and its rotary settings (a
     JSON round trip, as the saved config holds them)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     settings = {k: v for k, v in sorted(config.to_dict().items()) if any(word in k for word in _KEY_SETTINGS)}
     facts = {
         "model_type": getattr(config, "model_type", None),
@@ -72,7 +73,7 @@ def run_once(model: nn.Module, prompt: torch.Tensor, layout: KVLayout) -> torch.
     frozen model, dropout off: `[layers, 2, Hkv, N, hd]` float32."""
     embedding = model.get_input_embeddings()
     rows = forward_paths.RowPrompts([prompt.to(device=embedding.weight.device, dtype=embedding.weight.dtype)])
-    with kv_values.dropout_off(model):
+    with kv_pass.dropout_off(model):
         record, _ = forward_paths.prompt_pass(model, rows, in_text=0)
     return record_of(record.layers, layout)
 

@@ -1,4 +1,4 @@
-"""A KV prompt's config, starting values and base (method/kv_prompt.py, the bank's frozen positions): every
+"""A KV prompt's config, starting values and base (method/kv_init.py, the bank's frozen positions): every
 `prompt_init` is the input prompt it names run once through the frozen model; a lift keeps an input adapter's logits,
 its hard prefix and suffix included; the attention sink stays frozen; keys recorded on another base are refused."""
 
