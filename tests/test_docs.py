@@ -672,3 +672,35 @@ def test_serving_md_states_the_connector_s_cache_bound_and_the_share_folder_s_mo
     assert DEFAULT_CACHE_BYTES == 1 << 30 and "(1 GiB by default, `DEFAULT_CACHE_BYTES`)" in text
     assert f"with mode {FOLDER_MODE:o}" in text.replace("mode 0750", "mode 750")
     assert f"{SALT_HEX} hex digits of an HMAC-SHA-256" in text
+
+
+# Claims in prose, each read against the code it describes.
+
+
+def test_the_changelog_counts_the_distill_options_the_dataclass_has():
+    from dataclasses import fields
+
+    from peft_softprompt_plus.distill.options import DistillOptions
+
+    said = re.findall(r"takes its (\d+) choices in one documented dataclass", (ROOT / "CHANGELOG.md").read_text())
+    assert said and all(int(n) == len(fields(DistillOptions)) for n in said), said
+
+
+def test_every_stated_kv_frozen_positions_default_is_the_one_attach_fills_in():
+    from peft_softprompt_plus import SoftPromptPlusConfig
+
+    filled = SoftPromptPlusConfig(prompt_level="kv", num_virtual_tokens=4).kv_frozen_positions
+    pages = [ROOT / "CHANGELOG.md", *PAGES]
+    said = [
+        (page.name, int(n))
+        for page in pages
+        for n in re.findall(r"`kv_frozen_positions`\s+\(default\s+(\d+)", page.read_text())
+    ]
+    assert said and all(n == filled for _, n in said), (filled, said)
+
+
+def test_serving_is_installed_from_the_checkout_not_from_an_index_release_without_kv_share():
+    index_installs = re.compile(r"pip install '?peft-softprompt-plus\[[^\]]*serve")
+    pages = [*PAGES, *sorted((ROOT / "examples").glob("*.md"))]
+    assert [p.name for p in pages if index_installs.search(p.read_text())] == []
+    assert "pip install '.[serve]'" in (ROOT / "docs" / "serving.md").read_text()

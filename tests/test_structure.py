@@ -335,3 +335,13 @@ def test_no_two_library_modules_share_a_basename():
         if path.name not in ("__init__.py", "__main__.py"):
             seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
     assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_every_upward_import_is_argued_in_architecture_md_and_the_readme_points_there():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    exceptions = text[text.index("Imports that reach a lower layer") :]
+    exceptions = exceptions[: exceptions.index("\n\n")]
+    unargued = sorted({m for m, _ in UPWARD if f"`{m.replace('.', '/')}.py`" not in exceptions})
+    assert unargued == []
+    readme = (ROOT / "README.md").read_text()
+    assert "the few imports [docs/architecture.md](docs/architecture.md) lists with their reasons" in readme
