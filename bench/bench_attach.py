@@ -30,11 +30,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     c.timing_flags(parser, quick="tiny shape, 3 rounds: a smoke test in seconds", reps=7)
     parser.add_argument("--layers", type=int, default=None, help="default: the shape's (12; 4 with --quick)")
-    parser.add_argument("--virtual-tokens", type=int, default=20)
+    parser.add_argument("--num-virtual-tokens", type=int, default=20)
     args = parser.parse_args()
     shape = c.TINY if args.quick else c.SMALL
     shape = shape.replace(n_layer=args.layers or shape.n_layer)
-    reps, tokens = 3 if args.quick else args.reps, args.virtual_tokens
+    reps, tokens = 3 if args.quick else args.reps, args.num_virtual_tokens
     with c.timed_run(args, f"{shape.describe()}, N={tokens}; median of {reps} rounds after 1 warm-up round"):
         run(shape, reps, tokens)
 

@@ -49,17 +49,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a local GPT-2 checkpoint (default: the embedded tiny model)")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--virtual-tokens", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--num-virtual-tokens", type=int, default=10)
+    parser.add_argument("--learning-rate", type=float, default=0.05)
     args = parser.parse_args()
     torch.manual_seed(0)
 
     base, tokenizer = load(args.model)
-    stale = torch.optim.AdamW(base.parameters(), lr=args.lr)  # the mistake shown at the end: made before attaching
-    config = SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=args.virtual_tokens, init_seed=0)
+    stale = torch.optim.AdamW(base.parameters(), lr=args.learning_rate)  # the mistake shown at the end: made before attaching
+    config = SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=args.num_virtual_tokens, init_seed=0)
     model = get_peft_model(base, config)  # the attach-time probe already ran here
     batch = make_batch(tokenizer)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate)
 
     report = check_gradient_flow(model, batch, optimizer)
     print("before training:", report)

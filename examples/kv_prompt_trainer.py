@@ -8,7 +8,7 @@ the task suite (docs/training-recipe.md). Runs offline on the embedded tiny GPT-
 
 On a real local checkpoint (e.g. `--model $(softprompt-plus fetch smollm2)`):
 
-    python examples/kv_prompt_trainer.py --model PATH --output-dir out/kv --max-steps 120 --num-virtual-tokens 20 \
+    python examples/kv_prompt_trainer.py --model PATH --output-dir out/kv --steps 120 --num-virtual-tokens 20 \
         --learning-rate 3e-3  # the task suite's KV rate (bench/RESULTS.md); 3e-2 suits the tiny model
 """
 
@@ -48,7 +48,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "--description", default=DESCRIPTION, help="The one-line task description the prompt starts from."
     )
     parser.add_argument("--num-virtual-tokens", type=int, default=8)
-    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--learning-rate", type=float, default=3e-2)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=32)
@@ -88,10 +88,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         model=model,
         args=TrainingArguments(
             output_dir=output_dir,
-            max_steps=args.max_steps,
+            max_steps=args.steps,
             per_device_train_batch_size=args.batch_size,
             learning_rate=args.learning_rate,
-            logging_steps=max(1, args.max_steps // 5),
+            logging_steps=max(1, args.steps // 5),
             save_strategy="no",
             report_to=[],
             seed=args.seed,

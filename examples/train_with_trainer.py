@@ -6,7 +6,7 @@ Runs offline on the embedded tiny GPT-2 by default (seconds on a laptop CPU):
 
 On a real checkpoint (a local folder or a Hub id):
 
-    python examples/train_with_trainer.py --model gpt2 --max-steps 200 --num-virtual-tokens 20
+    python examples/train_with_trainer.py --model gpt2 --steps 200 --num-virtual-tokens 20
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="Base causal LM (folder or Hub id); default: the tiny GPT-2.")
     parser.add_argument("--output-dir", default=None, help="Checkpoints and the adapter; default: a temp folder.")
     parser.add_argument("--num-virtual-tokens", type=int, default=8)
-    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--learning-rate", type=float, default=3e-2)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=32)
@@ -76,10 +76,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         model=model,
         args=TrainingArguments(
             output_dir=output_dir,
-            max_steps=args.max_steps,
+            max_steps=args.steps,
             per_device_train_batch_size=args.batch_size,
             learning_rate=args.learning_rate,
-            logging_steps=max(1, args.max_steps // 5),
+            logging_steps=max(1, args.steps // 5),
             save_strategy="no",
             report_to=[],
             seed=args.seed,

@@ -40,7 +40,7 @@ def dataset(rows: int = 16) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--output-dir", required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
         "--no-find-unused",
@@ -56,7 +56,7 @@ def main() -> None:
     model = get_peft_model(tiny_gpt2(seed=0), config)
     initial = model.base_model.prompt("default").detach().clone()
     training_args = TrainingArguments(
-        output_dir=os.path.join(args.out, "trainer"),
+        output_dir=os.path.join(args.output_dir, "trainer"),
         use_cpu=True,
         ddp_backend="gloo",
         report_to=[],
@@ -82,7 +82,7 @@ def main() -> None:
             "final": model.base_model.prompt("default").detach().clone(),
             "seen": trainer.seen,
         },
-        os.path.join(args.out, f"rank{rank}.pt"),
+        os.path.join(args.output_dir, f"rank{rank}.pt"),
     )
     if torch.distributed.is_initialized():
         # Without it, gloo's threads can outlive the interpreter's teardown and abort a rank at exit ("terminate

@@ -162,7 +162,7 @@ def _attempt(fn):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=MODES, required=True)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--output-dir", required=True)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--forward-path", default="auto", choices=("auto", "shared_kv", "concat"))
     parser.add_argument("--level", default="input", choices=("input", "kv"))
@@ -188,7 +188,7 @@ def main() -> None:
     for ids, mask in batches(args.steps):
         outputs, forward_error = _attempt(functools.partial(wrapped, input_ids=ids[rows], attention_mask=mask[rows]))
         if forward_error is not None:  # a refused forward path: the test reads the message
-            torch.save({"forward_error": forward_error}, os.path.join(args.out, f"rank{rank}.pt"))
+            torch.save({"forward_error": forward_error}, os.path.join(args.output_dir, f"rank{rank}.pt"))
             # Every rank refuses alike; meet before tearing gloo down, or a rank that is still sending aborts
             # ("terminate called without an active exception", seen once in CI).
             dist.barrier()
@@ -211,14 +211,14 @@ def main() -> None:
     local_shape, held_shape = list(shard.shape), list(local.data.shape)
 
     # (a) `save_pretrained` straight on the sharded model: every rank calls it, as a training script would.
-    direct = os.path.join(args.out, "direct")
+    direct = os.path.join(args.output_dir, "direct")
     _, direct_error = _attempt(lambda: peft_model.save_pretrained(direct))
     dist.barrier()
 
     # (b) the recipe: gather the full state dict on every rank, save on rank 0.
     state_dict, gather_error = _attempt(lambda: _full_state_dict(args.mode, wrapped))
     state_dict = state_dict or {}
-    recipe = os.path.join(args.out, "recipe")
+    recipe = os.path.join(args.output_dir, "recipe")
     _, recipe_error = (
         _attempt(lambda: peft_model.save_pretrained(recipe, state_dict=state_dict, is_main_process=rank == 0))
         if gather_error is None
@@ -247,7 +247,7 @@ def main() -> None:
             "gathered": gathered,
             "kernels": sorted(peft_model.base_model.forward_state.last_kernels),
         },
-        os.path.join(args.out, f"rank{rank}.pt"),
+        os.path.join(args.output_dir, f"rank{rank}.pt"),
     )
     dist.destroy_process_group()
 

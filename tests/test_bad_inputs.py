@@ -173,7 +173,7 @@ def _distill_cli(*argv, files=()):
         for name, text in files:
             with open(os.path.join(w.tmp, name), "w") as handle:
                 handle.write(text)
-        default = {"--model": w.base_dir, "--system-prompt-file": "{tmp}/system.txt", "--out": "{tmp}/out"}
+        default = {"--model": w.base_dir, "--system-prompt-file": "{tmp}/system.txt", "--output-dir": "{tmp}/out"}
         default.update(zip(argv[::2], argv[1::2], strict=True))
         args = [a.format(tmp=w.tmp) for pair in default.items() for a in pair]
         raise SystemExit(cli_main(["distill", *args]))
@@ -819,10 +819,10 @@ CASES = [
         ["`--user-file`='{tmp}/u.txt' holds no user turn"],
     ),
     (
-        "cli distill --out a file",
-        _distill_cli("--out", "{tmp}/system.txt", files=SYSTEM_FILE),
+        "cli distill --output-dir a file",
+        _distill_cli("--output-dir", "{tmp}/system.txt", files=SYSTEM_FILE),
         SystemExit,
-        ["`--out`='{tmp}/system.txt' is a file"],
+        ["`--output-dir`='{tmp}/system.txt' is a file"],
     ),
     (
         "cli distill no chat template",

@@ -20,7 +20,7 @@ def _run(script: str, argv: list[str], monkeypatch) -> dict:
 
 
 def test_the_kv_prompt_example_trains_reloads_generates_and_converts_to_cartridge(tmp_path, monkeypatch, capsys):
-    report = _run("kv_prompt_trainer.py", ["--output-dir", str(tmp_path), "--max-steps", "3"], monkeypatch)["report"]
+    report = _run("kv_prompt_trainer.py", ["--output-dir", str(tmp_path), "--steps", "3"], monkeypatch)["report"]
     assert report["final_loss"] < report["initial_loss"]
     assert set(load_file(tmp_path / "adapter" / "adapter_model.safetensors")) == {SAVED_KV_KEY}
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())

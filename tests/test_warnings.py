@@ -88,7 +88,7 @@ def trainer_example(model_dir: str, tmp) -> None:
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     with redirect_stdout(io.StringIO()):
-        example.main(["--output-dir", str(tmp), "--max-steps", "2", "--num-virtual-tokens", "4"])
+        example.main(["--output-dir", str(tmp), "--steps", "2", "--num-virtual-tokens", "4"])
 
 
 def distillation(model_dir: str, tmp) -> None:
@@ -137,8 +137,8 @@ def test_the_harness_catches_the_warnings_we_removed(tiny_model_dir, make_base, 
 
 
 COMMANDS = {  # fresh processes: the example imports PEFT before this package, as isort orders it
-    "softprompt-plus demo": ["-m", "peft_softprompt_plus", "demo", "--steps", "5", "--out", "{tmp}/a"],
-    "train_with_trainer.py": [EXAMPLE, "--max-steps", "2", "--output-dir", "{tmp}/b"],
+    "softprompt-plus demo": ["-m", "peft_softprompt_plus", "demo", "--steps", "5", "--output-dir", "{tmp}/a"],
+    "train_with_trainer.py": [EXAMPLE, "--steps", "2", "--output-dir", "{tmp}/b"],
 }
 # What a third-party package prints when it is imported is not ours to judge (bitsandbytes with `kernels` installed
 # logs a failed Hub kernel fetch offline; docs/troubleshooting.md says how to quiet it). The launcher imports that

@@ -53,7 +53,7 @@ def test_the_cli_has_one_flag_per_option_and_maps_them_one_to_one():
     aliases = {field: flag for flag, field in CLI_ALIASES.items()}
     assert [f for f in FIELDS if f not in dests and aliases.get(f) not in dests] == []
     args = distill.parse_args(
-        ["--model", "m", "--system-prompt-file", "s", "--out", "o", "--steps", "7", "--evaluate-at", "0,3",
+        ["--model", "m", "--system-prompt-file", "s", "--output-dir", "o", "--steps", "7", "--evaluate-at", "0,3",
          "--plain", "--held-out-fraction", "0.3", "--no-self-study"]
     )  # fmt: skip
     args.keep_text = "kept"  # what `--keep-file` is read into

@@ -240,8 +240,8 @@ def test_serving_example_answers_each_task_from_one_batch(tmp_path):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "serve_many_tasks.py"
-    spec = importlib.util.spec_from_file_location("serve_many_tasks", path)
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "many_tasks_one_batch.py"
+    spec = importlib.util.spec_from_file_location("many_tasks_one_batch", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
 

@@ -64,7 +64,7 @@ def _launch(launcher: str, out) -> list[dict]:
     hung = []
     for _ in range(2):  # a launch that hangs is tried once more on a fresh port; one that fails is not
         start = LAUNCHERS[launcher.split("-")[0]](_free_port())
-        cmd = start + [WORKER, "--out", str(out), *WORKER_FLAGS[launcher]]
+        cmd = start + [WORKER, "--output-dir", str(out), *WORKER_FLAGS[launcher]]
         code, stdout, stderr = _run(cmd, env)
         if code is not None:
             break
@@ -76,14 +76,14 @@ def _launch(launcher: str, out) -> list[dict]:
 def _run(cmd: list[str], env: dict) -> tuple:
     """(exit code, stdout, stderr); the code None where the launch outlived TIMEOUT_S. Its output goes to files, not
     pipes (a rank that outlives its launcher would hold a pipe open), and on a timeout the launcher's group and every
-    rank started with `cmd`'s `--out` folder are killed."""
+    rank started with `cmd`'s `--output-dir` folder are killed."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
         try:
             code = proc.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
             code = None
-            _kill(proc.pid, cmd[cmd.index("--out") + 1])
+            _kill(proc.pid, cmd[cmd.index("--output-dir") + 1])
             proc.wait()
         out.seek(0)
         err.seek(0)

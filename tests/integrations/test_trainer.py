@@ -294,7 +294,7 @@ def test_example_trains_saves_and_reloads(tmp_path):
     spec = importlib.util.spec_from_file_location("train_with_trainer", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    report = example.main(["--output-dir", str(tmp_path), "--max-steps", "3", "--num-virtual-tokens", "4"])
+    report = example.main(["--output-dir", str(tmp_path), "--steps", "3", "--num-virtual-tokens", "4"])
 
     assert report["final_loss"] < report["initial_loss"]
     assert set(load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))) == {SAVED_KEY}

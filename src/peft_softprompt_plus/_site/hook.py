@@ -28,6 +28,7 @@ LIGHT = {
             "serve",
             "serve.requests",
             "apps.distill_args",
+            "apps.flags",
             "distill",
             "distill.refusals",
             "distill.options",

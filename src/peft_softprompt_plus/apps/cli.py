@@ -13,7 +13,7 @@ import sys
 import sysconfig
 from typing import Optional, Sequence
 
-from . import distill_args, serve_args
+from . import distill_args, flags, serve_args
 from .distill_args import REAL_CHECKPOINTS
 
 STARTUP_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_site", "startup")
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "learns country capitals; a few minutes on a CPU); or a GPT-2 checkpoint folder or Hub id for the tiny job.",
     )
     demo.add_argument("--steps", type=int, default=None, help="Prompt-tuning steps (default 150; 120 for smollm2).")
-    demo.add_argument("--out", default=None, help="Where to save the adapter (default: a temp dir).")
+    flags.add(demo, "--output-dir", default=None, help="Where to save the adapter (default: a temp dir).")
     demo.add_argument("--seed", type=int, default=0, help="Random seed (default 0).")
     demo.set_defaults(func=_demo)
 

@@ -200,10 +200,10 @@ def _print_real(result: RealDemoResult) -> None:
 def main(args) -> int:
     if args.model in CHECKPOINTS:
         steps = args.steps if args.steps is not None else 120
-        _print_real(run_real_demo(args.model, steps=steps, out_dir=args.out, seed=args.seed))
+        _print_real(run_real_demo(args.model, steps=steps, out_dir=args.output_dir, seed=args.seed))
         return 0
     steps = args.steps if args.steps is not None else 150
-    result = run_demo(model_path=args.model, steps=steps, out_dir=args.out, seed=args.seed)
+    result = run_demo(model_path=args.model, steps=steps, out_dir=args.output_dir, seed=args.seed)
     print(f"held-out accuracy, frozen model without prompt: {result.accuracy_without_prompt:.0%}")
     print(f"held-out accuracy, frozen model with the learned prompt: {result.accuracy_with_prompt:.0%}")
     print(f"held-out accuracy after save + PeftModel.from_pretrained: {result.accuracy_after_reload:.0%}")

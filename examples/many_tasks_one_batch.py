@@ -4,7 +4,7 @@ from one frozen model, each row of a batch picking its own task with `adapter_na
 The embedded tiny GPT-2 is first pretrained on two tagged tasks ("up a b": b follows a; "down a b": b precedes a).
 Prompt "up" must stand in for the tag "up", prompt "down" for "down"; both are tuned at once on untagged pairs.
 
-    python examples/serve_many_tasks.py [--steps 150] [--out DIR]      # about 20 s on 2 CPU cores, offline
+    python examples/many_tasks_one_batch.py [--steps 150] [--output-dir DIR]      # about 20 s on 2 CPU cores, offline
 """
 
 from __future__ import annotations
@@ -78,11 +78,11 @@ def serve(model, tokenizer, requests: list[tuple[str, str]]) -> list[str]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--out", default=None, help="where to save the adapters (default: a temp dir)")
+    parser.add_argument("--output-dir", default=None, help="where to save the adapters (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
-    work = args.out or tempfile.mkdtemp(prefix="softprompt-plus-tasks-")
+    work = args.output_dir or tempfile.mkdtemp(prefix="softprompt-plus-tasks-")
     base, tokenizer = pretrain_tiny(400, args.seed, progress=False)
     base_dir = os.path.join(work, "tiny-gpt2")
     base.save_pretrained(base_dir)
