@@ -24,6 +24,7 @@ from peft.tuners.cartridge.utils import initialize_kv_prefix_from_text
 from peft_softprompt_plus import SoftPromptPlusConfig, pick_demonstrations
 from peft_softprompt_plus.apps import capitals
 from peft_softprompt_plus.distill import kv_start
+from peft_softprompt_plus.method import kv_select
 
 CT_LR = 1e-3  # Context Tuning's (its train.py); not swept here
 CHECKED = 40  # held-out items on which hard k-shot is also read as text, to check the start against it
@@ -95,7 +96,8 @@ def _per_head(model):
     ids = [token for demo in config.demonstration_ids for token in demo]  # the context (no separator)
     cache = kv_start.prompt_cache(model, ids)  # [layers, 2, Hkv, P, hd]
     scores = kv_start.attention_scores(model, ids, [(demo, 0) for demo in config.demonstration_ids], cache.shape[2])
-    kv_start.install(model, "default", kv_start.selected(cache, scores, config.num_virtual_tokens, 0))
+    positions = kv_select.per_head_positions(scores, config.num_virtual_tokens)  # [layers, Hkv, N]
+    kv_start.install(model, "default", kv_select.gathered(cache, positions))
     return model
 
 

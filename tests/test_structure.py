@@ -112,6 +112,8 @@ UPWARD = {
     ("method.kv_init", "files"),
     # The demonstrations start checks its context against the model's positions and window, and reads the layout.
     ("method.demonstrations", "forward"),
+    # The selection's scorer reads each attention layer's weights through the layout.
+    ("method.kv_select", "forward"),
     # A call with gradients disabled is reported through the probe's one warning.
     ("forward.prompted", "gradients"),
 }

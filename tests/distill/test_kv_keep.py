@@ -62,16 +62,6 @@ def test_the_kept_positions_are_the_passage_s_tokens_and_the_template_s(tok, cha
     assert tok.decode([prepared.prefix_ids[i] for i in two]).split() == "a soft prompt quick brown fox".split()
 
 
-def test_kept_mask_marks_each_head_s_kept_entries_after_the_sink():
-    positions = torch.tensor([[[0, 2, 3, 5], [0, 1, 3, 4]]])  # [layers=1, Hkv=2, n=4]
-    mask = kv_start.kept_mask(positions, 1, [3, 4])  # [1, 1, 2, 3, 1]
-    assert mask.shape == (1, 1, 2, 3, 1)
-    assert mask[0, 0, :, :, 0].tolist() == [[False, True, False], [False, True, True]]
-    cache = torch.arange(2 * 2 * 1 * 6 * 1, dtype=torch.float32).view(2, 2, 1, 6, 1)  # [layers, 2, Hkv, P, hd]
-    scores = torch.tensor([0.0, 5, 1, 0, 2, 8]).expand(2, 1, 6)  # position 3 is the least attended: kept anyway
-    assert torch.equal(kv_start.selected(cache, scores, 3, 1, kept=[3]), cache[:, :, :, [0, 3, 5]])
-
-
 def test_kept_positions_are_the_teacher_s_keys_values_and_training_leaves_them(tok, chat_dir):  # noqa: F811
     prefix = prepare(tok, SYSTEM, True, 4).prefix_ids
     kept, facts = _kept(tok, FACTS)

@@ -35,16 +35,6 @@ def test_a_selected_student_that_keeps_every_position_is_the_teacher(tok, chat_d
     assert report.curve[0].held_out.first_16 == 1.0 and report.none.kl > 1e-3  # the check can tell
 
 
-def test_selection_keeps_the_sink_and_the_most_attended_positions_in_order():
-    cache = torch.arange(2 * 2 * 3 * 6 * 1, dtype=torch.float32).view(2, 2, 3, 6, 1)  # [layers, 2, Hkv, P, hd]
-    scores = torch.tensor([0.0, 5, 1, 9, 2, 8]).expand(2, 3, 6)  # [layers, Hkv, P]
-    picked = kv_start.selected(cache, scores, 3, frozen=1)
-    assert torch.equal(picked, cache[:, :, :, [0, 3, 5]])
-    assert torch.equal(kv_start.selected(cache, scores, 2, frozen=0), cache[:, :, :, [3, 5]])
-    with pytest.raises(ValueError, match=r"`num_virtual_tokens` must be in \[1, 6\]"):
-        kv_start.selected(cache, scores, 7, frozen=1)
-
-
 def test_attention_scores_are_the_base_model_s_own_weights(tok, chat_dir):  # noqa: F811
     base = _base(chat_dir)
     own = base.config._attn_implementation

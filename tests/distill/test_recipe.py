@@ -11,10 +11,11 @@ import torch
 from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir, distill  # noqa: F401 (the fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from peft_softprompt_plus.distill import kv_start, score, teacher
+from peft_softprompt_plus.distill import score, teacher
 from peft_softprompt_plus.distill.data import prepare
 from peft_softprompt_plus.distill.refusals import LEVEL_DEFAULTS
 from peft_softprompt_plus.distill.score import token_kl
+from peft_softprompt_plus.method import kv_select
 
 KW = {"steps": 2, "batch_size": 4, "max_new_tokens": 4, "samples_per_turn": 1, "held_out_samples_per_turn": 1}
 
@@ -61,9 +62,10 @@ def test_self_study_turns_are_the_teacher_s_replies_to_each_kind_of_seed_instruc
 
 
 def _replace(monkeypatch, real, stand_in) -> None:
-    """`real` replaced by `stand_in` in every distill module that holds it, through the module or a name it imported,
-    so a spy sees what the training loop passes wherever the loop's stages live."""
-    for loaded in [m for n, m in list(sys.modules.items()) if n.startswith("peft_softprompt_plus.distill")]:
+    """`real` replaced by `stand_in` in every distill module (and the shared selection) that holds it, through the
+    module or a name it imported, so a spy sees what the training loop passes wherever the loop's stages live."""
+    homes = ("peft_softprompt_plus.distill", "peft_softprompt_plus.method.kv_select")  # the selection is shared
+    for loaded in [m for n, m in list(sys.modules.items()) if n.startswith(homes)]:
         for attr, value in list(vars(loaded).items()):
             if value is real:
                 monkeypatch.setattr(loaded, attr, stand_in)
@@ -111,7 +113,7 @@ def test_each_option_reaches_the_training_loop(tok, chat_dir, monkeypatch, level
     optimizers = _spy_optimizers(monkeypatch)
     trained_kl, kls = _spy(monkeypatch, score, "weighted_kl"), _spy(monkeypatch, score, "token_kl")
     written = {how: _spy(monkeypatch, teacher, how) for how in ("self_study_turns", "sample_turns")}
-    chosen = _spy(monkeypatch, kv_start, "chosen")
+    chosen = _spy(monkeypatch, kv_select, "per_head_positions")
     model = distill(_base(chat_dir), tok, SYSTEM, num_virtual_tokens=4, prompt_level=level, sampled_turns=6, **KW,
                     **given)  # fmt: skip
     (optimizer,) = optimizers

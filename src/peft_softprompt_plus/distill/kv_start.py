@@ -10,11 +10,9 @@ The keys stay as they were computed, rotary positions included, and the text sta
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
-from ..method.demonstrations import attention_received
+from ..method import kv_select
 from ..method.kv_init import run_once
 
 
@@ -35,45 +33,7 @@ def attention_scores(model, prefix_ids: list[int], texts: list[tuple[list[int], 
     state = model.base_model.forward_state
     if kv_heads != state.kv_layout.heads:
         raise ValueError(f"`kv_heads`={kv_heads} is not the model's {state.kv_layout.heads} key/value heads.")
-    return attention_received(model.get_base_model(), state.attention, prefix_ids, texts, state.kv_layout)
-
-
-def chosen(scores: torch.Tensor, n: int, forced: Sequence[int]) -> torch.Tensor:
-    """The `n` best-scored positions of `scores` (`[layers, Hkv, P]`) per layer and head, in position order, the
-    positions `forced` (the sink, a kept passage) always among them: `[layers, Hkv, n]`."""
-    p = scores.shape[-1]
-    if not len(forced) <= n <= p:
-        raise ValueError(
-            f"`num_virtual_tokens` must be in [{len(forced)}, {p}] (the system turn's positions), got {n}."
-        )
-    ranked = scores.clone()  # [layers, Hkv, P]
-    ranked[..., list(forced)] = float("inf")
-    return ranked.topk(n, dim=-1).indices.sort(dim=-1).values
-
-
-def gathered(cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """`cache` (`[layers, 2, Hkv, P, hd]`) at `positions` (`[layers, Hkv, n]`): `[layers, 2, Hkv, n, hd]`."""
-    layers, _, heads, _, hd = cache.shape
-    index = positions.to(cache.device)[:, None, :, :, None].expand(layers, 2, heads, positions.shape[-1], hd)
-    return cache.gather(3, index)
-
-
-def selected(cache: torch.Tensor, scores: torch.Tensor, n: int, frozen: int, kept: Sequence[int] = ()) -> torch.Tensor:
-    """The `n` best-scored positions of `cache` (`[layers, 2, Hkv, P, hd]`) per layer and head, in position order,
-    the first `frozen` and the `kept` ones always among them: `[layers, 2, Hkv, n, hd]`."""
-    forced = sorted(set(range(frozen)) | set(kept))
-    return gathered(cache, chosen(scores.to(cache.device), n, forced))
-
-
-def kept_mask(positions: torch.Tensor, frozen: int, kept: Sequence[int]) -> torch.Tensor:
-    """Which entries of the trained part of a `selected` start (its positions `[layers, Hkv, n]` after the first
-    `frozen`) hold a `kept` position: `[layers, 1, Hkv, n - frozen, 1]` bool, the shape of a gradient mask over the
-    prompt leaf `[layers, 2, Hkv, n - frozen, hd]`. Selection differs per head, so kept positions sit at other
-    indices in each head."""
-    trained = positions[..., frozen:]  # [layers, Hkv, n - frozen]
-    return torch.isin(trained, torch.tensor(list(kept), dtype=trained.dtype, device=trained.device))[
-        :, None, ..., None
-    ]
+    return kv_select.attention_received(model.get_base_model(), state.attention, prefix_ids, texts, state.kv_layout)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..method import kv_select
 from . import kv_start
 from . import score as distill_score
 from .options import DistillOptions
@@ -57,9 +58,9 @@ def _select(prep: Preparation, o: DistillOptions) -> Optional[torch.Tensor]:
     scores = kv_start.attention_scores(model, prefix_ids, [(s.ids, s.first) for s in rows], heads)
     frozen = model.peft_config[STUDENT].kv_frozen_positions
     forced = sorted(set(range(frozen)) | set(prep.kept_positions))
-    positions = kv_start.chosen(scores, o.num_virtual_tokens, forced)  # [layers, Hkv, N]
-    kv_start.install(model, STUDENT, kv_start.gathered(kv_start.prompt_cache(model, prefix_ids), positions))
-    return kv_start.kept_mask(positions, frozen, prep.kept_positions) if prep.kept_positions else None
+    positions = kv_select.per_head_positions(scores, o.num_virtual_tokens, forced)  # [layers, Hkv, N]
+    kv_start.install(model, STUDENT, kv_select.gathered(kv_start.prompt_cache(model, prefix_ids), positions))
+    return kv_select.kept_mask(positions, frozen, prep.kept_positions) if prep.kept_positions else None
 
 
 @dataclass

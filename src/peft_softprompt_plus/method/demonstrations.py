@@ -7,7 +7,6 @@ demonstration's ids and its span among the kept positions, which leave-one-out r
 from __future__ import annotations
 
 import random
-import threading
 from typing import Any, Optional, Sequence
 
 import torch
@@ -15,8 +14,9 @@ from torch import nn
 
 from ..forward import semantics
 from ..forward.kv_pass import KVLayout
-from .prompt_init import load_tokenizer
 from ..forward.windows import smallest_window
+from . import kv_select
+from .prompt_init import load_tokenizer
 
 Config = Any  # a SoftPromptPlusConfig
 
@@ -88,54 +88,6 @@ def kept_spans(spans: list[list[int]], kept: torch.Tensor) -> list[list[int]]:
     return out
 
 
-@torch.no_grad()
-def attention_received(
-    model: nn.Module, owner, ids: list[int], rows: Sequence[tuple[list[int], int]], layout: KVLayout
-):
-    """How much attention the queries of `rows` (each `(ids, first)`: read after `ids`, its queries from index `first`
-    on) pay each position of `ids` in the frozen `model`, summed over queries, rows and the query heads that share a
-    key/value head: `[layers, Hkv, P]` (`layout`: the attention modules, in order, and their Hkv). Eager computes it
-    for this thread's calls alone (`owner.running`); the base model is called without the prompt keyword, so it
-    computes the base model. Each layer's weights are summed as that layer returns them and dropped (a hook on each
-    attention module, reading this thread's calls alone), so only one layer's `[H, T, T]` is alive at a time, not
-    every layer's (`output_attentions=True` would keep them all)."""
-    p, heads = len(ids), layout.heads
-    device = model.get_input_embeddings().weight.device
-    total = torch.zeros(len(layout.modules), heads, p, device=device)  # [layers, Hkv, P]
-    start, caller = [0], threading.get_ident()  # the current row's first query index, and whose calls are read
-
-    def summed(index: int):
-        def hook(module, args, output):
-            if threading.get_ident() != caller:  # another thread's forward (its own kernel) shares the modules
-                return
-            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [1, H, T, T]
-            if weights is None:
-                raise RuntimeError(f"{type(module).__name__} returned no attention weights under eager attention.")
-            paid = weights[0, :, p + start[0] :, :p].float().sum(1)  # [H, P]
-            total[index] += paid.view(heads, -1, p).sum(1)  # [Hkv, P]: query head q reads key/value head q // group
-
-        return hook
-
-    handles = [m.register_forward_hook(summed(i)) for i, m in enumerate(layout.modules)]
-    try:
-        with owner.running(model, "eager"):
-            for text, first in rows:
-                start[0] = first
-                model(input_ids=torch.tensor([list(ids) + list(text)], device=device), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return total
-
-
-def selected_positions(scores: torch.Tensor, n: int, frozen: int) -> torch.Tensor:
-    """The `n` positions (shared by every layer and head) that `scores` `[layers, Hkv, P]` rank highest summed, in
-    order, the first `frozen` always among them: `[n]`."""
-    ranked = scores.sum((0, 1)).clone()  # [P]
-    ranked[:frozen] = float("inf")
-    return ranked.topk(n).indices.sort().values
-
-
 def initial_values(config: Config, model: nn.Module, layout: KVLayout, owner, run_once) -> torch.Tensor:
     """The start: the context's `[layers, 2, Hkv, P, hd]` keys/values, all P positions or the N that the
     demonstrations, each read again after the whole context, attend to most."""
@@ -146,8 +98,8 @@ def initial_values(config: Config, model: nn.Module, layout: KVLayout, owner, ru
     kept = torch.arange(len(ids))
     if config.num_virtual_tokens < len(ids):
         readers = [(demo, 0) for demo in config.demonstration_ids]
-        scores = attention_received(model, owner, ids, readers, layout)
-        kept = selected_positions(scores, config.num_virtual_tokens, config.kv_frozen_positions or 0)
+        scores = kv_select.attention_received(model, owner, ids, readers, layout)
+        kept = kv_select.shared_positions(scores, config.num_virtual_tokens, range(config.kv_frozen_positions or 0))
         values = values[..., kept.to(values.device), :]
     config.demonstration_spans = kept_spans(config.demonstration_spans, kept)
     return values
