@@ -7,7 +7,8 @@ k-shot with the same demonstrations.
 - many-shot: the demonstrations are among the task's training rows.
 
 An arm is `ct-k{k}[-n{N}][-many][-noloo][-drop{p}]` (ours; N: the most attended positions kept, all by default),
-`peft-prefix-demos-k{k}[-n{N}][-many]` (PEFT's first N positions) or `hard-demos-k{k}`. The
+`peft-prefix-demos-k{k}[-n{N}][-many]` or `peft-cartridge-demos-k{k}[-n{N}][-many]` (PEFT's first N positions), or
+`hard-demos-k{k}`. `-perhead`: ours with `kv_selection="per_head"`. The
 demonstrations are `pick_demonstrations(split.train, k, seed)`, each written as a training row reads
 (`"Paris -> France\\n"`), with no separator, so a training row's ids are a demonstration's (recorded: `matched`)."""
 
@@ -18,28 +19,26 @@ import re
 
 import torch
 from _suite_kv import DESCRIPTIONS
-from peft import PrefixTuningConfig, get_peft_model
+from peft import CartridgeConfig, PrefixTuningConfig, get_peft_model
 from peft.tuners.cartridge.utils import initialize_kv_prefix_from_text
 
 from peft_softprompt_plus import SoftPromptPlusConfig, pick_demonstrations
 from peft_softprompt_plus.apps import capitals
-from peft_softprompt_plus.distill import kv_start
-from peft_softprompt_plus.method import kv_select
 
 CT_LR = 1e-3  # Context Tuning's (its train.py); not swept here
 CHECKED = 40  # held-out items on which hard k-shot is also read as text, to check the start against it
-_ARM = re.compile(r"^(ct|peft-prefix-demos|hard-demos)-k(\d+)((?:-n\d+|-many|-noloo|-perhead|-desc|-drop[0-9.]+)*)$")
+_ARM = re.compile(r"^(ct|peft-prefix-demos|peft-cartridge-demos|hard-demos)-k(\d+)((?:-n\d+|-many|-noloo|-perhead|-desc|-drop[0-9.]+)*)$")
 
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    kind: str  # "ct", "peft-prefix-demos" or "hard-demos"
+    kind: str  # "ct", "peft-prefix-demos", "peft-cartridge-demos" or "hard-demos"
     k: int
     n: int | None = None  # kept positions (None: all)
     many: bool = False
     leave_one_out: bool = True
     dropout: float = 0.0
-    per_head: bool = False  # N selected per layer and KV head (distill/kv_start.py's), not whole positions
+    per_head: bool = False  # N selected per layer and KV head (`kv_selection="per_head"`), not whole positions
     described: bool = False  # the task's one-line description (the KV arms' start) before the demonstrations
 
 
@@ -73,39 +72,30 @@ def train_split(split, arm: Arm, pairs):
 
 def build(arm: Arm, texts: list[str]):
     def make(base, seed, tokenizer, split):
-        if arm.kind == "peft-prefix-demos":
+        if arm.kind in PEFT_CONFIGS:
             return _peft(arm, texts, base, seed, tokenizer)
         config = SoftPromptPlusConfig(
             task_type="CAUSAL_LM", prompt_level="kv", prompt_init="demonstrations", prompt_init_texts=texts,
             demonstration_separator="", tokenizer_name_or_path=tokenizer.name_or_path,
             num_virtual_tokens=arm.n, kv_leave_one_out=arm.leave_one_out, kv_position_dropout=arm.dropout,
+            kv_selection="per_head" if arm.per_head else "shared",
         )  # fmt: skip
-        model = get_peft_model(base, config)
-        return _per_head(model) if arm.per_head else model
+        return get_peft_model(base, config)
 
     return make
 
 
-def _per_head(model):
-    """The same N positions' count, chosen per layer and KV head by the same scores (the demonstrations, each read
-    after the context), in place of whole positions: the alternative the library did not build. Which demonstration a
-    slot came from differs per head, so the library's leave-one-out (whole spans) can't mask it: arm with `-noloo`."""
-    config = model.peft_config["default"]
-    if config.kv_leave_one_out:
-        raise SystemExit("a -perhead arm needs -noloo: leave-one-out masks whole positions")
-    ids = [token for demo in config.demonstration_ids for token in demo]  # the context (no separator)
-    cache = kv_start.prompt_cache(model, ids)  # [layers, 2, Hkv, P, hd]
-    scores = kv_start.attention_scores(model, ids, [(demo, 0) for demo in config.demonstration_ids], cache.shape[2])
-    positions = kv_select.per_head_positions(scores, config.num_virtual_tokens)  # [layers, Hkv, N]
-    kv_start.install(model, "default", kv_select.gathered(cache, positions))
-    return model
+PEFT_CONFIGS = {  # PEFT's KV methods, each started from the demonstrations' text at N (its first N positions)
+    "peft-prefix-demos": lambda n: PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=n),
+    "peft-cartridge-demos": lambda n: CartridgeConfig(task_type="CAUSAL_LM", num_virtual_tokens=n, num_frozen_tokens=1),
+}
 
 
 def _peft(arm: Arm, texts, base, seed, tokenizer):
     context = "".join(texts)
     length = len(tokenizer(context, add_special_tokens=False)["input_ids"])
     torch.manual_seed(seed)  # PEFT draws its placeholder values from the global generator
-    model = get_peft_model(base, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=arm.n or length))
+    model = get_peft_model(base, PEFT_CONFIGS[arm.kind](arm.n or length))
     initialize_kv_prefix_from_text(model, tokenizer, text=context, use_chat_template=False)
     return model
 

@@ -10,6 +10,9 @@ KV_SINCE = "0.3.0"  # the first release that reads a KV prompt (`prompt_level="k
 SAVED_KV_KEY = f"base_model.softprompt_plus.kv_prompt:requires peft-softprompt-plus>={KV_SINCE}"
 PROMPTS = "softprompt_plus_prompt"  # the bank's ParameterDict of prompts (a KV prompt: its trained positions)
 SINKS = "softprompt_plus_sink"  # the bank's ParameterDict of a KV prompt's frozen leading positions
+ORIGINS = "softprompt_plus_origin"  # the bank's ParameterDict of a per-head KV prompt's entries' context positions
+# A per-head KV prompt's origins in adapter_model.safetensors: `[layers, Hkv, N]` int64 context positions.
+SAVED_ORIGINS_KEY = "base_model.softprompt_plus.kv_origins"
 
 
 def prompt_key(adapter_name: str, bank: str = BANK, table: str = PROMPTS) -> str:

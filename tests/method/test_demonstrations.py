@@ -27,7 +27,8 @@ def tok(tokenizer):
 
 def _config(tok_dir, **kw):
     kw = {"num_virtual_tokens": None, "prompt_init_texts": DEMOS, "tokenizer_name_or_path": tok_dir, **kw}
-    return SoftPromptPlusConfig(prompt_level=kw.pop("prompt_level", "kv"), prompt_init="demonstrations", **kw)
+    level, init = kw.pop("prompt_level", "kv"), kw.pop("prompt_init", "demonstrations")
+    return SoftPromptPlusConfig(prompt_level=level, prompt_init=init, **kw)
 
 
 def _ids(tok, text):
@@ -90,6 +91,12 @@ def test_save_and_load_keep_the_spans_and_need_no_tokenizer(tok, tok_dir, tmp_pa
         ({"prompt_level": "input"}, "`prompt_init='demonstrations'` needs `prompt_level='kv'`"),
         ({"tokenizer_name_or_path": None}, "`tokenizer_name_or_path` is needed to tokenize `prompt_init_texts`"),
         ({"kv_position_dropout": 1.0}, "`kv_position_dropout` must be a number in [0, 1)"),
+        ({"kv_selection": "heads"}, "`kv_selection` must be one of ['shared', 'per_head'], got 'heads'"),
+        ({"kv_selection": "per_head"}, "got num_virtual_tokens=None (every position, nothing to choose)"),
+        (
+            {"kv_selection": "per_head", "prompt_init": "text", "prompt_init_texts": None, "num_virtual_tokens": 4},
+            "needs prompt_level='kv' and prompt_init='demonstrations', got prompt_level='kv' and prompt_init='text'",
+        ),
     ],
 )
 def test_bad_configs_are_refused_naming_the_field(tok_dir, kwargs, words):
@@ -101,6 +108,12 @@ def test_bad_configs_are_refused_naming_the_field(tok_dir, kwargs, words):
     "family, kwargs, words",
     [
         ("llama", {"num_virtual_tokens": 99}, "`num_virtual_tokens`=99 is more than the demonstrations' 13"),
+        (
+            "llama",
+            {"num_virtual_tokens": 13, "kv_selection": "per_head"},
+            "`kv_selection='per_head'` keeps N of the demonstrations' 13 positions per layer and head, got "
+            "num_virtual_tokens=13: nothing to choose",
+        ),
         ("qwen2", {}, "sliding window is 8: a row after them would read none of the first demonstrations"),
         ("llama", {"prompt_init_texts": ["red", "<drop>"]}, "`prompt_init_texts`[1]='<drop>' tokenizes to no tokens"),
     ],

@@ -14,7 +14,7 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import HFValidationError, RemoteEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-from .._names import CONFIG_FILE, METHOD, WEIGHT_FILES
+from .._names import CONFIG_FILE, METHOD, SAVED_ORIGINS_KEY, WEIGHT_FILES
 from . import reading
 
 
@@ -38,6 +38,9 @@ class AdapterReport:
     vocab_mean_norm: Optional[float] = None
     notes: list[str] = field(default_factory=list)
     layers: list[dict] = field(default_factory=list)  # a KV prompt's: mean key and value norm per layer
+    # A per-head KV prompt's: per layer, how many entries (over its KV heads) came from each demonstration, and from
+    # neither (a separator, a BOS)
+    origins: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,7 +62,17 @@ class AdapterReport:
             for i, layer in enumerate(self.layers)
         ]
         spans = self.config.get("demonstration_spans")
-        if spans:  # a demonstrations start: which positions each demonstration left (leave-one-out masks them)
+        if spans and self.origins:  # per head: each entry's origin is a context position, saved in the weights
+            lines.append(
+                f"started from {len(spans)} demonstrations of a {self.config.get('kv_text_start')}-position context, "
+                "kept per layer and key/value head; their spans in the context:"
+            )
+            lines += [f"  demonstration {i}: context positions {span}" for i, span in enumerate(spans)]
+            lines.append("  entries per layer (all its key/value heads) from each demonstration, then from neither:")
+            lines += [
+                f"  layer {i:>3}: {layer['demonstrations']} + {layer['neither']}" for i, layer in enumerate(self.origins)
+            ]
+        elif spans:  # a demonstrations start: which positions each demonstration left (leave-one-out masks them)
             lines.append(f"started from {len(spans)} demonstrations; their spans among the N positions:")
             lines += [f"  demonstration {i}: positions {span}" for i, span in enumerate(spans)]
         if self.base is not None:
@@ -169,6 +182,17 @@ def nearest_tokens(prompt: torch.Tensor, embeddings: torch.Tensor, top_k: int) -
     return sims.topk(min(top_k, embeddings.shape[0]), dim=-1)
 
 
+def _origin_counts(origins: torch.Tensor, config: dict) -> list[dict]:
+    """Per layer of `origins` (`[layers, Hkv, N]` context positions): its entries from each demonstration's span in
+    the context, and from neither."""
+    spans = config.get("demonstration_spans") or []
+    counts = []
+    for layer in origins:
+        inside = [int(((layer >= start) & (layer < end)).sum()) for start, end in spans]
+        counts.append({"demonstrations": inside, "neither": int(layer.numel()) - sum(inside)})
+    return counts
+
+
 def inspect_adapter(adapter: str, base: Optional[str] = None, top_k: int = 5) -> AdapterReport:
     """Config, prompt norms and nearest vocabulary tokens of the adapter at `adapter` (folder or Hub repo id).
 
@@ -194,6 +218,8 @@ def inspect_adapter(adapter: str, base: Optional[str] = None, top_k: int = 5) ->
         report.notes.append(
             "a KV prompt holds each layer's keys and values, not input vectors: it has no nearest vocabulary tokens."
         )
+        if config.get("kv_selection") == "per_head":
+            report.origins = _origin_counts(reading.read_prompt(_resolve(adapter)[1], SAVED_ORIGINS_KEY), config)
         return report
     saved_base = config.get("base_model_name_or_path")
     base = base or next(iter(_local_dirs(saved_base)), None)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._names import BANK, ENCODER_FILE, RAW_KEY, SAVED_KEY, SAVED_KV_KEY, SINKS, prompt_key
+from .._names import BANK, ENCODER_FILE, ORIGINS, RAW_KEY, SAVED_KEY, SAVED_KV_KEY, SAVED_ORIGINS_KEY, SINKS, prompt_key
 from ..forward.state import BaseSettings
 from .reading import AdapterFileError, diagnose_kv, diagnose_prompt, missing_because
 
@@ -101,10 +101,14 @@ def remapped_for_load(tuner, bank_name: str, adapter_name: str, state_dict: dict
                 else "it is not a softprompt-plus adapter."
             )
         )
+    origins = [k for k in state_dict if k.endswith(SAVED_ORIGINS_KEY)]
+    problems.append(_origins_problem(tuner, adapter_name, [state_dict[k] for k in origins]))
     problem = next((p for p in problems if p), None)
     if problem:
         raise AdapterFileError(problem)
-    remapped = {k: v for k, v in state_dict.items() if k not in saved}
+    remapped = {k: v for k, v in state_dict.items() if k not in saved and k not in origins}
+    for k in origins:
+        remapped[prompt_key(adapter_name, bank_name, ORIGINS)] = state_dict[k]
     for k in saved:
         value, frozen = state_dict[k], bank.sinks[adapter_name].shape[-2] if adapter_name in bank.sinks else 0
         remapped[prompt_key(adapter_name, bank_name)] = value[..., frozen:, :]
@@ -113,6 +117,39 @@ def remapped_for_load(tuner, bank_name: str, adapter_name: str, state_dict: dict
     # Training on from a reparameterised adapter: the raw prompt and encoder saved beside the folded table.
     remapped.update(resume_state(tuner, bank_name, adapter_name))
     return remapped
+
+
+def _origins_problem(tuner, adapter_name: str, found: list) -> Optional[str]:
+    """What is wrong with a per-head KV adapter's saved origins (`[layers, Hkv, N]` int context positions below the
+    text start), or with origins saved for an adapter that has none; None when they fit."""
+    bank, config = getattr(tuner, BANK), tuner.peft_config[adapter_name]
+    expected = tuple(bank.origins[adapter_name].shape) if adapter_name in bank.origins else None
+    if expected is None:
+        return (
+            f"The saved adapter holds {SAVED_ORIGINS_KEY!r} (per-head origins), but its config has "
+            f"kv_selection={config.kv_selection!r}: restore adapter_config.json from the same save."
+            if found
+            else None
+        )
+    if not found:
+        return (
+            f"The saved adapter has kv_selection='per_head' but holds no {SAVED_ORIGINS_KEY!r} (each entry's context "
+            "position): restore adapter_model.safetensors from the same save as adapter_config.json."
+        )
+    value, context = found[0], config.kv_text_start
+    if value.is_floating_point() or tuple(value.shape) != expected:
+        return (
+            f"The saved adapter's {SAVED_ORIGINS_KEY!r} is {str(value.dtype).removeprefix('torch.')} of shape "
+            f"{list(value.shape)}, but its config needs int64 of shape {list(expected)} ([layers, Hkv, N]): restore "
+            "it from the same save as adapter_config.json."
+        )
+    if value.numel() and not (0 <= int(value.min()) and int(value.max()) < context):
+        return (
+            f"The saved adapter's {SAVED_ORIGINS_KEY!r} holds context positions in [{int(value.min())}, "
+            f"{int(value.max())}], outside the context's [0, {context}) (kv_text_start): restore it from the same "
+            "save as adapter_config.json."
+        )
+    return None
 
 
 def resume_state(tuner, bank_name: str, adapter_name: str) -> dict[str, torch.Tensor]:

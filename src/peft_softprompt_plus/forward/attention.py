@@ -85,7 +85,7 @@ def _masked_function(kernel_name: str, kernel_of: Callable[[nn.Module], Callable
         lower_right = mask_free and kernels.lower_right_fits(prompt_kv, query, key, attention_mask, window, kwargs)
         if not lower_right and mask_free and _decoding(query, kwargs):
             prompt_kv.kernels.add("sdpa_split")
-            mask = prompt_kv.mask(attention_mask, query, key, window, additive=False)
+            mask = prompt_kv.mask(attention_mask, query, key, window, additive=False, module=module)
             return kernels.split_attention(
                 prompt_kv, query, (prompt_k, prompt_v), (key, value), mask, kwargs.get("scaling")
             )
@@ -97,7 +97,7 @@ def _masked_function(kernel_name: str, kernel_of: Callable[[nn.Module], Callable
                 prompt_kv.kernels.add("sdpa_lower_right")
                 return out
         prompt_kv.kernels.add(f"{kernel_name}_mask")
-        mask = prompt_kv.mask(attention_mask, query, text_key, window, additive=True)
+        mask = prompt_kv.mask(attention_mask, query, text_key, window, additive=True, module=module)
         return kernel(module, query, key, value, mask, **kwargs)
 
     return attend

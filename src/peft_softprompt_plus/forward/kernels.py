@@ -52,7 +52,7 @@ def split_attention(prompt_kv, query, prompt: tuple, text: tuple, mask, scaling)
     product of every row's queries with the single prompt copy (Hydragen's split); one softmax covers both parts.
 
     `query` `[B, H, q, hd]`; `prompt` `[A, Hkv, N, hd]` pair; `text` `[B, Hkv, kv, hd]` pair; `mask` bool
-    `[b, 1, q, N+kv]`. Returns the kernel's `([B, q, H, hd], None)`.
+    `[b, 1, q, N+kv]` (or `[b, H, q, N+kv]` per head). Returns the kernel's `([B, q, H, hd], None)`.
     """
     (prompt_k, prompt_v), (key, value) = prompt, text
     batch, heads, q, dim = query.shape
@@ -71,7 +71,8 @@ def split_attention(prompt_kv, query, prompt: tuple, text: tuple, mask, scaling)
     scores = scores.view(batch, kv_heads, -1, q, scores.shape[-1])  # [B, Hkv, G, q, N+kv]
     # The dtype's lowest value, not -inf, as in eager attention: a query that may attend to nothing (a left pad of
     # a row without a prompt) gets finite weights instead of NaN that its value would spread.
-    scores = scores.float().mul_(scale).masked_fill_(prompt_kv.blocked(mask), torch.finfo(torch.float32).min)
+    blocked = prompt_kv.blocked(mask, kv_heads)  # [b, 1|Hkv, 1|G, q, N+kv]
+    scores = scores.float().mul_(scale).masked_fill_(blocked, torch.finfo(torch.float32).min)
     weights = scores.softmax(dim=-1).to(value.dtype).reshape(batch, kv_heads, rows, -1)
     out = times_prompt(weights[..., :width], prompt_v) + weights[..., width:] @ value  # [B, Hkv, G*q, hd]
     return out.reshape(batch, heads, q, dim).transpose(1, 2), None  # [B, q, H, hd]

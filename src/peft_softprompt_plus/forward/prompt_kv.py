@@ -34,8 +34,10 @@ class PromptKV:
     positions: Optional[torch.Tensor] = None  # [B, q]
     kernels: set = field(default_factory=set)  # which attention ran, for the record: see `_attention_function`
     starts: Optional[torch.Tensor] = None  # [A]
-    keep: Optional[torch.Tensor] = None  # [B, N] bool: prompt positions each row may read (None: all; kv_regularize)
+    # [B, N] bool: prompt positions each row may read, or [B, layers, Hkv, N] per entry (None: all; kv_regularize)
+    keep: Optional[torch.Tensor] = None
     _masks: dict = field(default_factory=dict)
+    _layer_index: dict = field(default_factory=dict)
 
     @classmethod
     def stack(cls, parts: list["PromptKV"], rows: Optional[torch.Tensor]) -> "PromptKV":
@@ -93,16 +95,27 @@ class PromptKV:
     def for_rows(self, tensor: torch.Tensor, batch: int) -> torch.Tensor:
         return gather_rows(tensor, self.rows, batch)
 
-    def mask(self, text_mask, query: torch.Tensor, key: torch.Tensor, window: Optional[int], additive: bool):
+    def mask(
+        self, text_mask, query: torch.Tensor, key: torch.Tensor, window: Optional[int], additive: bool, module=None
+    ):
         """`[b, 1, q, N+kv]`: the prompt's columns in front of the text's mask (bool, or additive as transformers
         builds it for eager), once per forward for each distinct text mask (layers share it). `additive`: in the form
         a kernel takes without converting it per call, 0 or the dtype's lowest in the query's dtype, its rows
         16-element aligned (a view into a padded buffer, so CUDA's memory-efficient kernel needn't pad it again);
-        else bool, True = attend (the split form)."""
+        else bool, True = attend (the split form). Under a per-entry `keep` the mask is `module`'s layer's own,
+        `[b, H, q, N+kv]` (query head h reads key/value head h // (H / Hkv), as transformers' `repeat_kv`)."""
+        layer = self.layer_of(module) if self.keep is not None and self.keep.dim() == 4 else None
         cache_key = (id(text_mask) if text_mask is not None else None, query.shape[2], key.shape[2], window, additive)
+        cache_key += (layer,)
         if cache_key not in self._masks:
-            self._masks[cache_key] = self._build_mask(text_mask, query, key, window, additive)
+            self._masks[cache_key] = self._build_mask(text_mask, query, key, window, additive, layer)
         return self._masks[cache_key]
+
+    def layer_of(self, module) -> int:
+        """`module`'s index among the attention layers, in the order a forward calls them (a per-entry mask's axis)."""
+        if not self._layer_index:
+            self._layer_index.update({m: i for i, m in enumerate(self.layers)})
+        return self._layer_index[module]
 
     def unpadded(self, text_valid: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor) -> tuple:
         """For the varlen kernel: which of `[prompt; text]` keys are real, `[B, N+kv]` bool (each row's prompt
@@ -119,14 +132,17 @@ class PromptKV:
             self._masks[cache_key] = valid, flash.unpad(valid, q)
         return self._masks[cache_key]
 
-    def blocked(self, mask: torch.Tensor) -> torch.Tensor:
-        """`~mask` as `[b, 1, 1, q, N+kv]`, for the split form's grouped scores; once per forward."""
+    def blocked(self, mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """`~mask` as `[b, 1, 1, q, N+kv]` (or per head, `[b, Hkv, G, q, N+kv]`), for the split form's grouped
+        scores; once per forward."""
         cache_key = ("blocked", id(mask))
         if cache_key not in self._masks:
-            self._masks[cache_key] = ~mask[:, :, None]
+            b, heads, q, columns = mask.shape
+            grouped = mask[:, :, None] if heads == 1 else mask.view(b, kv_heads, heads // kv_heads, q, columns)
+            self._masks[cache_key] = ~grouped
         return self._masks[cache_key]
 
-    def _build_mask(self, text_mask, query, key, window, additive):
+    def _build_mask(self, text_mask, query, key, window, additive, layer: Optional[int] = None):
         device, (batch, q, kv), width = query.device, (query.shape[0], query.shape[2], key.shape[2]), self.max_length
         t = torch.arange(q, device=device) + self.query_offset  # [q] each query's index in the text
         if text_mask is None:  # sdpa skipped an all-causal mask: the text part is causal (and windowed)
@@ -138,8 +154,12 @@ class PromptKV:
         lengths = self.lengths.to(device) if self.rows is None else self.row_lengths(batch, device)  # [1] or [B]
         j = torch.arange(width, device=device)  # [N] prompt key index
         prompt = j[None, None, None, :] < lengths[:, None, None, None]  # [b', 1, 1, N]
-        if self.keep is not None:  # training's per-row regularisers: positions a row may not read
+        if self.keep is not None and layer is None:  # training's per-row regularisers: positions a row may not read
             prompt = prompt & self.keep.to(device)[:, None, None, :width]  # [B, 1, 1, N]
+        elif self.keep is not None:  # per entry: this layer's own, each key/value head's read by its query heads
+            own = self.keep[:, layer].to(device)[..., :width]  # [B, Hkv, N]
+            own = own.repeat_interleave(query.shape[1] // own.shape[1], dim=1)  # [B, H, N]
+            prompt = prompt & own[:, :, None, :]  # [B, H, 1, N]
         if window:
             # Prompt key j is inside a query's window when their distance is < W; a query's position id is its
             # distance from the prompt's start counting real tokens only (as in the row alone). Without position
@@ -149,13 +169,15 @@ class PromptKV:
             else:
                 distance = lengths[:, None, None, None] + t[None, None, :, None] - j  # [b', 1, q, N]
             prompt = prompt & (distance < window)
-        rows = max(prompt.shape[0], text.shape[0])
-        allowed = torch.cat([prompt.expand(rows, 1, q, width), text.expand(rows, 1, q, kv)], dim=-1)  # [b, 1, q, N+kv]
+        rows, heads = max(prompt.shape[0], text.shape[0]), prompt.shape[1]
+        allowed = torch.cat(
+            [prompt.expand(rows, heads, q, width), text.expand(rows, heads, q, kv)], dim=-1
+        )  # [b, 1 or H, q, N+kv]
         if not additive:
             return allowed
         columns = allowed.shape[-1]
-        buffer = torch.zeros(rows, 1, q, -(-columns // _ALIGN) * _ALIGN, dtype=query.dtype, device=device)
-        return buffer[..., :columns].masked_fill_(~allowed, torch.finfo(query.dtype).min)  # [b, 1, q, N+kv] view
+        buffer = torch.zeros(rows, heads, q, -(-columns // _ALIGN) * _ALIGN, dtype=query.dtype, device=device)
+        return buffer[..., :columns].masked_fill_(~allowed, torch.finfo(query.dtype).min)  # [b, 1|H, q, N+kv] view
 
     def rows_mask(self, batch: int, device) -> torch.Tensor:
         rows = self.rows.to(device)

@@ -1,13 +1,14 @@
 """The forward's state: one object the tuner holds (`tuner.forward_state`), with methods the tuner, the forward, the
 gradient probe and loading call. It owns whether the prompt enters at the attention, what prompting changed on the
 base model (so it can be handed back), each adapter's stored prompt pass, the `adapter_names` of the call in flight,
-the one `grad_disabled` warning, and where an adapter being loaded comes from. No module writes another's private
+the one `grad_disabled` warning, the leave-one-out counts and their one warning, and where an adapter being loaded comes from. No module writes another's private
 attributes."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,6 +16,10 @@ from torch import nn
 
 from . import attention, attention_owner, generation, kv_pass
 from .generation import PromptKVStore
+
+# Leave-one-out rows that may pass without one demonstration among them before the one warning: a few-shot run's rows
+# are all demonstrations; a many-shot run with k of R rows as demonstrations meets one in R/k rows on average.
+UNMATCHED_WARNING_ROWS = 256
 
 
 @dataclass
@@ -63,6 +68,9 @@ class ForwardState:
         self._per_call()
         self._grad_warning_due = True
         self._encoder_source: Optional[tuple] = None
+        # Training rows whose adapter does leave-one-out, and how many of them were one of its demonstrations.
+        self.leave_one_out = {"matched": 0, "unmatched": 0}
+        self._unmatched_warning_due = True
 
     def _per_call(self) -> None:
         # Per call, so threads calling one model at once never read each other's: context variables of this model's.
@@ -176,6 +184,24 @@ class ForwardState:
     def regularizing(self) -> bool:
         """Whether a training forward of this thread applies the KV regularisers (kv_regularize.py)."""
         return self._regularizing.get()
+
+    def count_leave_one_out(self, matched: int, unmatched: int) -> None:
+        """Count a training forward's leave-one-out rows (kv_regularize.py); once `UNMATCHED_WARNING_ROWS` of them
+        have run and none was a demonstration, warn once: leave-one-out has masked nothing."""
+        self.leave_one_out["matched"] += matched
+        self.leave_one_out["unmatched"] += unmatched
+        seen = self.leave_one_out["matched"] + self.leave_one_out["unmatched"]
+        if self._unmatched_warning_due and seen >= UNMATCHED_WARNING_ROWS and not self.leave_one_out["matched"]:
+            self._unmatched_warning_due = False
+            warnings.warn(
+                f"kv_leave_one_out=True, but none of the first {seen} training rows matched a demonstration, so "
+                "leave-one-out has masked nothing. A row matches when its real ids equal one of the adapter's "
+                "`demonstration_ids` (tokenized alone: no BOS, no separator), or when a `demonstration_index` column "
+                "names it (-1: none). Check that the collator adds no tokens, or pass kv_leave_one_out=False where "
+                "the demonstrations are not training rows. The counts: model.base_model.forward_state.leave_one_out.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------ the one grad_disabled warning
 

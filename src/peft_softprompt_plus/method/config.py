@@ -10,10 +10,11 @@ from peft.utils import PeftType
 
 from .._names import METHOD
 from .config_checks import CHECKS, CHOICES, KV_FROZEN_DEFAULT, is_kv
-from .enums import ForwardPath, PromptInit, PromptLevel, Reparameterization, ValidateGradients
+from .enums import ForwardPath, KVSelection, PromptInit, PromptLevel, Reparameterization, ValidateGradients
 
 __all__ = [
     "ForwardPath",
+    "KVSelection",
     "PromptInit",
     "PromptLevel",
     "Reparameterization",
@@ -134,23 +135,37 @@ class SoftPromptPlusConfig(PeftConfig):
     demonstration_spans: Optional[list[list[int]]] = field(
         default=None,
         metadata={
-            "help": "Each demonstration's `[start, end)` among the prompt's N positions, filled at attach and saved "
-            "(the separators and a BOS belong to none). Loading needs nothing else."
+            "help": "Each demonstration's `[start, end)`, filled at attach and saved (the separators and a BOS "
+            "belong to none): among the prompt's N positions with `kv_selection='shared'`, among the context's "
+            "positions with 'per_head' (each kept entry's origin, saved in the weights, is a context position). "
+            "Loading needs nothing else."
+        },
+    )
+    kv_selection: str = field(
+        default="shared",
+        metadata={
+            "help": "`prompt_init='demonstrations'` with N below the context's positions: which N are kept. "
+            "'shared': the N whole positions the demonstrations, each read after the context, attend to most, the "
+            "same in every layer and key/value head. 'per_head': each layer's and key/value head's own N most "
+            "attended, as a KV student's `selected` start keeps them; each entry's origin (its context position, "
+            "`[layers, Hkv, N]`) is saved in the weights, and leave-one-out and dropout act per entry."
         },
     )
     kv_leave_one_out: bool = field(
         default=True,
         metadata={
             "help": "`prompt_init='demonstrations'`: while training, a row that is demonstration i (its ids equal "
-            "`demonstration_ids[i]`, or a `demonstration_index` column names i) reads none of i's positions. Eval "
-            "and `generate` read every position."
+            "`demonstration_ids[i]`, or a `demonstration_index` column names i) reads none of i's positions (with "
+            "`kv_selection='per_head'`: no entry whose origin lies in i's span, in any layer and head); frozen "
+            "positions stay read. Eval and `generate` read every position."
         },
     )
     kv_position_dropout: float = field(
         default=0.0,
         metadata={
             "help": "`prompt_level='kv'`: while training (training mode, gradients on), each prompt position is "
-            "dropped for each row with this probability; frozen positions never are. 0: off."
+            "dropped for each row with this probability (each entry, per layer and key/value head, with "
+            "`kv_selection='per_head'`); frozen positions never are. 0: off."
         },
     )
     prompt_prefix: Optional[str] = field(

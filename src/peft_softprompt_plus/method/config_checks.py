@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from . import placement
-from .enums import ForwardPath, PromptInit, PromptLevel, Reparameterization, ValidateGradients
+from .enums import ForwardPath, KVSelection, PromptInit, PromptLevel, Reparameterization, ValidateGradients
 from .tasks import task_of
 
 Config = Any  # a SoftPromptPlusConfig: config.py imports this module, so the type is named, not imported
@@ -18,6 +18,7 @@ CHOICES = {
     "reparameterization": Reparameterization,
     "validate_gradients": ValidateGradients,
     "forward_path": ForwardPath,
+    "kv_selection": KVSelection,
 }
 
 
@@ -155,6 +156,25 @@ def _regularizers(c: Config) -> Optional[str]:
     return " ".join(problems) or None
 
 
+def _selection(c: Config) -> Optional[str]:
+    if c.kv_selection != KVSelection.PER_HEAD.value:
+        return None
+    problems = []
+    if not is_kv(c) or c.prompt_init != PromptInit.DEMONSTRATIONS.value:
+        problems.append(
+            f"`kv_selection='per_head'` chooses each layer's and key/value head's positions of a demonstrations "
+            f"context, so it needs prompt_level='kv' and prompt_init='demonstrations', got "
+            f"prompt_level={str(c.prompt_level)!r} and prompt_init={str(c.prompt_init)!r}. Set both, or leave "
+            "kv_selection='shared'."
+        )
+    if c.num_virtual_tokens is None:
+        problems.append(
+            "`kv_selection='per_head'` keeps N of the context's positions per layer and head, got "
+            "num_virtual_tokens=None (every position, nothing to choose). Pass an N below the context's positions."
+        )
+    return " ".join(problems) or None
+
+
 def _residual(c: Config) -> Optional[str]:
     problems = []
     if not _is_int(c.residual_hidden) or c.residual_hidden < 1:
@@ -260,6 +280,7 @@ CHECKS: tuple[Callable[[Config], Optional[str]], ...] = (
     _init_adapter,
     _demonstrations,
     _regularizers,
+    _selection,
     placement.check,
     _residual,
     _init_seed,

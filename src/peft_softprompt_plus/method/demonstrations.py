@@ -16,6 +16,7 @@ from ..forward import semantics
 from ..forward.kv_pass import KVLayout
 from ..forward.windows import smallest_window
 from . import kv_select
+from .enums import KVSelection
 from .prompt_init import load_tokenizer
 
 Config = Any  # a SoftPromptPlusConfig
@@ -56,6 +57,11 @@ def _check_fits(config: Config, model: nn.Module, length: int) -> None:
             f"`num_virtual_tokens`={n} is more than the demonstrations' {length} positions; pass at most {length}, "
             "or None for all of them."
         )
+    if config.kv_selection == KVSelection.PER_HEAD.value and n is not None and n >= length:
+        raise ValueError(
+            f"`kv_selection='per_head'` keeps N of the demonstrations' {length} positions per layer and head, got "
+            f"num_virtual_tokens={n}: nothing to choose. Pass an N below {length}, or kv_selection='shared'."
+        )
 
 
 def resolve(config: Config, model: nn.Module) -> list[int]:
@@ -88,21 +94,27 @@ def kept_spans(spans: list[list[int]], kept: torch.Tensor) -> list[list[int]]:
     return out
 
 
-def initial_values(config: Config, model: nn.Module, layout: KVLayout, owner, run_once) -> torch.Tensor:
+def initial_values(
+    config: Config, model: nn.Module, layout: KVLayout, owner, run_once
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The start: the context's `[layers, 2, Hkv, P, hd]` keys/values, all P positions or the N that the
-    demonstrations, each read again after the whole context, attend to most."""
+    demonstrations, each read again after the whole context, attend to most (whole positions, or per layer and head
+    with `kv_selection='per_head'`); and with 'per_head' each entry's origin, `[layers, Hkv, N]` context positions."""
     ids = resolve(config, model)
     embedding = model.get_input_embeddings()
     rows = embedding(torch.tensor(ids, device=embedding.weight.device))  # [P, D]
     values = run_once(model, rows, layout)  # [layers, 2, Hkv, P, hd]
-    kept = torch.arange(len(ids))
-    if config.num_virtual_tokens < len(ids):
-        readers = [(demo, 0) for demo in config.demonstration_ids]
-        scores = kv_select.attention_received(model, owner, ids, readers, layout)
-        kept = kv_select.shared_positions(scores, config.num_virtual_tokens, range(config.kv_frozen_positions or 0))
-        values = values[..., kept.to(values.device), :]
+    if config.num_virtual_tokens == len(ids):
+        return values, None
+    readers = [(demo, 0) for demo in config.demonstration_ids]
+    scores = kv_select.attention_received(model, owner, ids, readers, layout)  # [layers, Hkv, P]
+    sink = range(config.kv_frozen_positions or 0)
+    if config.kv_selection == KVSelection.PER_HEAD.value:
+        positions = kv_select.per_head_positions(scores, config.num_virtual_tokens, sink)  # [layers, Hkv, N]
+        return kv_select.gathered(values, positions), positions.long().cpu()  # spans stay the context's
+    kept = kv_select.shared_positions(scores, config.num_virtual_tokens, sink)  # [N]
     config.demonstration_spans = kept_spans(config.demonstration_spans, kept)
-    return values
+    return kv_select.gathered(values, kept), None
 
 
 def pick_demonstrations(

@@ -31,6 +31,14 @@ class PromptInit(_Choice):
     DEMONSTRATIONS = "demonstrations"
 
 
+class KVSelection(_Choice):
+    """Which of the demonstrations' cached positions a KV prompt keeps when N is below their count (see
+    `kv_select.py`): the same whole positions in every layer and key/value head, or each layer's and head's own."""
+
+    SHARED = "shared"
+    PER_HEAD = "per_head"
+
+
 class Reparameterization(_Choice):
     """How the trained `[N, D]` prompt is produced from its parameters (see `reparam.py`)."""
 

@@ -17,6 +17,7 @@ from ..forward import paths as forward_paths
 from ..forward.kv_pass import KVLayout, record_of
 from ..forward.windows import text_config
 from . import demonstrations, placement
+from .enums import KVSelection
 from .prompt_init import initial_prompt
 
 Config = Any  # a SoftPromptPlusConfig
@@ -130,19 +131,24 @@ def _from_input_prompt(config: Config, model: nn.Module, layout: KVLayout, facts
     return run_once(model, initial_prompt(config, model.get_input_embeddings(), model.config), layout)
 
 
-# `prompt_init` -> its KV start (every other init: the input prompt it names, run once)
+# `prompt_init` -> its KV start and, where it chose positions per layer and head, each entry's origin
 _KV_STARTS = {
-    "adapter": lambda config, model, layout, facts, owner: _from_adapter(config, model, layout, facts),
+    "adapter": lambda config, model, layout, facts, owner: (_from_adapter(config, model, layout, facts), None),
     "demonstrations": lambda config, model, layout, facts, owner: demonstrations.initial_values(
         config, model, layout, owner, run_once
     ),
 }
 
 
-def initial_values(config: Config, model: nn.Module, layout: KVLayout, facts: dict, owner=None) -> torch.Tensor:
-    """The starting `[layers, 2, Hkv, N, hd]` float32 keys/values for `config` (`prompt_level='kv'`); `owner` (the
+def initial_values(
+    config: Config, model: nn.Module, layout: KVLayout, facts: dict, owner=None
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The starting `[layers, 2, Hkv, N, hd]` float32 keys/values for `config` (`prompt_level='kv'`), and each
+    entry's origin `[layers, Hkv, N]` where the start chose positions per layer and head (else None); `owner` (the
     model's attention owner) runs eager where a start selects positions by attention."""
-    start = _KV_STARTS.get(str(config.prompt_init), _from_input_prompt)
+    start = _KV_STARTS.get(str(config.prompt_init))
+    if start is None:  # every other init: the input prompt it names, run once
+        return _from_input_prompt(config, model, layout, facts, owner), None
     return start(config, model, layout, facts, owner)
 
 
@@ -152,11 +158,19 @@ def _placeholder(config: Config, layout: KVLayout) -> torch.Tensor:
     return torch.randn(layout.shape(config.num_virtual_tokens), generator=generator) * 0.02
 
 
+def _placeholder_origins(config: Config, layout: KVLayout) -> Optional[torch.Tensor]:
+    """Origins for a per-head adapter being loaded (`[layers, Hkv, N]`), which the load overwrites; None for others."""
+    if config.kv_selection != KVSelection.PER_HEAD.value:
+        return None
+    return torch.zeros(len(layout.modules), layout.heads, config.num_virtual_tokens, dtype=torch.long)
+
+
 def starting_values(
     config: Config, model: nn.Module, layout: Optional[KVLayout], loading: bool, owner=None
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """At attach: a KV prompt's starting `[layers, 2, Hkv, N, hd]` float32 keys/values, on a base that can read them
-    (checked, and recorded in `config.kv_base`), with its text start filled in. `loading`: the load overwrites them."""
+    (checked, and recorded in `config.kv_base`), with its text start filled in; and its entries' origins `[layers,
+    Hkv, N]` where chosen per head (None otherwise). `loading`: the load overwrites both."""
     if config.prompt_init == "demonstrations" and not loading:
         demonstrations.resolve(config, model)  # N and the text start, before anything reads them
     why = validation.kv_refused(model, config, layout)
@@ -164,9 +178,12 @@ def starting_values(
         raise ValueError(why)
     facts = base_facts(model, layout)
     check_base(config.kv_base, facts, "This KV adapter's config")
-    values = _placeholder(config, layout) if loading else initial_values(config, model, layout, facts, owner)
+    if loading:
+        values, origins = _placeholder(config, layout), _placeholder_origins(config, layout)
+    else:
+        values, origins = initial_values(config, model, layout, facts, owner)
     config.kv_base = facts
     if config.kv_text_start is None:
         config.kv_text_start = config.num_virtual_tokens
     validation.check_kv_room(model, config)
-    return values
+    return values, origins

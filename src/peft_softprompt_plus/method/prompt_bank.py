@@ -28,21 +28,29 @@ class SoftPromptBank(nn.Module, BaseTunerLayer):
 
     adapter_layer_names = ("softprompt_plus_prompt", "softprompt_plus_encoder")  # the prefix marks adapter weights
     # Per adapter too, but never made trainable by PEFT's `set_adapter` (it sets every `adapter_layer_names` entry).
-    other_param_names = ("softprompt_plus_sink",)
+    other_param_names = ("softprompt_plus_sink", "softprompt_plus_origin")
 
     def __init__(self) -> None:
         super().__init__()
         self.softprompt_plus_prompt = nn.ParameterDict()
         self.softprompt_plus_encoder = nn.ModuleDict()
         self.softprompt_plus_sink = nn.ParameterDict()
+        self.softprompt_plus_origin = nn.ParameterDict()
         self._active_adapter = []
         self._disable_adapters = False
         self.merged_adapters = []
 
     def add(
-        self, adapter_name: str, values: torch.Tensor, trainable: bool, encoder: Optional[nn.Module], frozen: int = 0
+        self,
+        adapter_name: str,
+        values: torch.Tensor,
+        trainable: bool,
+        encoder: Optional[nn.Module],
+        frozen: int = 0,
+        origins: Optional[torch.Tensor] = None,
     ) -> None:
-        """`values` `[..., N, last]`; its first `frozen` positions are kept apart, frozen (a KV prompt's sink)."""
+        """`values` `[..., N, last]`; its first `frozen` positions are kept apart, frozen (a KV prompt's sink).
+        `origins` `[layers, Hkv, N]`: each entry's context position, for a KV prompt chosen per layer and head."""
         # `clone` + float32: the prompt never aliases `wte` (whose steps would then edit the tied lm_head too).
         values = values.detach().to(torch.float32)
         self.prompts[adapter_name] = nn.Parameter(values[..., frozen:, :].clone(), requires_grad=trainable)
@@ -50,10 +58,12 @@ class SoftPromptBank(nn.Module, BaseTunerLayer):
             self.sinks[adapter_name] = nn.Parameter(values[..., :frozen, :].clone(), requires_grad=False)
         if encoder is not None:
             self.encoders[adapter_name] = encoder.requires_grad_(trainable)
+        if origins is not None:  # an int table, never trained (a Parameter only so that PEFT saves it per adapter)
+            self.origins[adapter_name] = nn.Parameter(origins.long().to(values.device), requires_grad=False)
 
     def drop(self, adapter_name: str) -> None:
         """Everything held for `adapter_name` (a failed attach's half-added adapter)."""
-        for table in (self.prompts, self.encoders, self.sinks):
+        for table in (self.prompts, self.encoders, self.sinks, self.origins):
             if adapter_name in table:
                 del table[adapter_name]
 
@@ -89,6 +99,11 @@ class SoftPromptBank(nn.Module, BaseTunerLayer):
     def prompts(self) -> nn.ParameterDict:
         """adapter name -> its float32 `[N, D]` prompt."""
         return self.softprompt_plus_prompt
+
+    @property
+    def origins(self) -> nn.ParameterDict:
+        """adapter name -> each entry's context position `[layers, Hkv, N]` (long), where chosen per layer and head."""
+        return self.softprompt_plus_origin
 
     @property
     def sinks(self) -> nn.ParameterDict:

@@ -14,7 +14,7 @@ from peft.utils import set_additional_trainable_modules
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from .._names import BANK, PREFIX, SAVED_KEY, SAVED_KV_KEY, SINKS, encoder_state, prompt_key
+from .._names import BANK, ORIGINS, PREFIX, SAVED_KEY, SAVED_KV_KEY, SAVED_ORIGINS_KEY, SINKS, encoder_state, prompt_key
 from ..files import loading, saving
 from ..forward import paths as forward_paths
 from ..forward import prompted, routing, validation
@@ -73,7 +73,7 @@ class SoftPromptPlusModel(BaseTuner):
             if config.prompt_level == PromptLevel.KV:
                 self.forward_state.without_flash(model)
                 state = self.forward_state
-                values = kv_init.starting_values(
+                values, origins = kv_init.starting_values(
                     config, model, state.kv_layout, loading.is_loading(), state.attention
                 )
             else:
@@ -82,10 +82,11 @@ class SoftPromptPlusModel(BaseTuner):
                 validation.check_placed_room(model, len(prefix), config.num_virtual_tokens, len(suffix))
                 # A load overwrites the values: they need no tokenizer, no source folder.
                 values = (placeholder if loading.is_loading() else initial_prompt)(config, embedding, model.config)
+                origins = None
             # An inference-mode adapter is a folded table (what save_pretrained writes): it needs no encoder.
             encoder = None if config.inference_mode else reparam.encoder_for(config, embedding)
             frozen = config.kv_frozen_positions or 0
-            self.prompt_bank.add(adapter_name, values.to(embedding.weight.device), trainable, encoder, frozen)
+            self.prompt_bank.add(adapter_name, values.to(embedding.weight.device), trainable, encoder, frozen, origins)
             self.prompt_bank._active_adapter = list(self.active_adapters)
             count_label_zero(model, [self.peft_config[n] for n in self.active_adapters if n in self.peft_config])
             set_additional_trainable_modules(
@@ -280,12 +281,16 @@ class SoftPromptPlusModel(BaseTuner):
         encoder = encoder_state(state_dict, adapter_name)
         if encoder:  # the adapter is the folded table: loaders and serving engines see a plain prompt
             prompt = reparam.fold(prompt, encoder, config.residual_layer_norm)
-        return {SAVED_KV_KEY if config.prompt_level == PromptLevel.KV else SAVED_KEY: prompt}
+        saved = {SAVED_KV_KEY if config.prompt_level == PromptLevel.KV else SAVED_KEY: prompt}
+        origins = next((v for k, v in state_dict.items() if k.endswith(prompt_key(adapter_name, table=ORIGINS))), None)
+        if origins is not None:  # a per-head KV prompt: where each entry came from, read back without a tokenizer
+            saved[SAVED_ORIGINS_KEY] = origins.detach().to(torch.int64)
+        return saved
 
     @classmethod
     def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
         # The saved prompt's key holds no adapter name; PEFT's default would cut one that ends it ("... .prompt").
-        if key in (SAVED_KEY, SAVED_KV_KEY):
+        if key in (SAVED_KEY, SAVED_KV_KEY, SAVED_ORIGINS_KEY):
             return key
         return super()._remove_adapter_name_from_key(key, adapter_name)
 
