@@ -190,7 +190,7 @@ def test_inspect_summarises_the_origins_without_a_tokenizer_or_a_model(tokenizer
         (lambda t: t.pop("base_model.softprompt_plus.kv_origins"), "holds no 'base_model.softprompt_plus.kv_origins'"),
         (lambda t: t.update({"base_model.softprompt_plus.kv_origins": t["base_model.softprompt_plus.kv_origins"][:1]}),
          "needs int64 of shape [2, 2, 9]"),  # fmt: skip
-        (lambda t: t["base_model.softprompt_plus.kv_origins"].add_(1000), "outside the context's [0, "),
+        (lambda t: t["base_model.softprompt_plus.kv_origins"].mul_(-1), "is not each head's context positions in order"),
     ],
 )
 def test_damaged_origins_are_refused_by_name_and_the_base_left_alone(tokenizer, tok_dir, tmp_path, damage, words):
@@ -225,3 +225,31 @@ def test_a_run_where_no_row_matches_a_demonstration_warns_once_and_counts(tokeni
         model(input_ids=other)  # once only
         model(input_ids=torch.tensor([tokenizer(DEMOS[2], add_special_tokens=False)["input_ids"]]))
     assert model.base_model.forward_state.leave_one_out == {"matched": 1, "unmatched": 12}
+
+
+def test_a_trained_per_head_adapter_folds_and_exports_to_a_cartridge_peft_reads_alike(tokenizer, tok_dir, tmp_path):
+    """Its text starts past N (the context's length); folded to N on the rotary tiny Llama, its logits are the
+    unfolded ones, and PEFT CARTRIDGE holding the folded values computes the same through its own forward."""
+    from peft import PeftModel
+
+    from peft_softprompt_plus import fold_adapter, to_cartridge
+
+    model = _model(tokenizer, tok_dir).eval()
+    with torch.no_grad():  # as if trained: every entry moved
+        model.base_model.prompt("demo").add_(0.05 * torch.randn_like(model.base_model.prompt("demo")))
+    ids = torch.tensor([tokenizer("green cat three white", add_special_tokens=False)["input_ids"]] * 2)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    assert model.peft_config["demo"].kv_text_start > 9
+    fold_adapter(model, in_place=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+    to_cartridge(model, tmp_path / "cartridge", adapter_name="demo")
+    theirs = PeftModel.from_pretrained(tiny_family("llama", len(tokenizer)), tmp_path / "cartridge").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+    model.save_pretrained(tmp_path / "folded")  # the origins stay context positions past the folded start: loads
+    again = PeftModel.from_pretrained(tiny_family("llama", len(tokenizer)), tmp_path / "folded" / "demo").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(again.base_model.prompt_bank.origins["default"], model.base_model.prompt_bank.origins["demo"])
