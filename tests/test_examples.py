@@ -54,3 +54,20 @@ def test_the_context_tuning_example_starts_from_demonstrations_and_saves_their_s
     assert len(config["demonstration_ids"]) == len(result["demonstrations"]) == 4
     assert config["num_virtual_tokens"] == config["kv_text_start"]  # every position of the context kept
     assert len(result["losses"]) == 4 and "step 4: loss" in capsys.readouterr().out
+
+
+def test_the_context_tuning_trainer_example_passes_demonstration_index_and_keeps_per_head_origins(
+    tmp_path, monkeypatch, capsys
+):
+    from peft_softprompt_plus.forward import kv_regularize
+
+    monkeypatch.setattr(kv_regularize, "_matched", lambda *a: -1)  # no row told by its ids: the column alone counts
+    result = _run("context_tuning_trainer.py", ["--output-dir", str(tmp_path), "--steps", "4"], monkeypatch)["result"]
+    counts = result["counts"]
+    assert counts["matched"] > 0 and counts["matched"] + counts["unmatched"] == 4 * 4  # 4 steps of 4 rows
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["kv_selection"] == "per_head" and len(config["demonstration_ids"]) == 4
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    origins = saved["base_model.softprompt_plus.kv_origins"]
+    assert origins.shape[-1] == config["num_virtual_tokens"] == 6
+    assert "leave-one-out rows: {'matched'" in capsys.readouterr().out
