@@ -584,7 +584,14 @@ def _options(words: list[str]) -> dict[str, list[str]]:
     return found
 
 
-def test_serve_with_vllm_md_names_real_flags_files_and_names():
+SERVING_PAGES = ["serve_with_vllm.md", "serve_distilled_and_composed.md", "serve_at_tp2.md"]
+
+
+@pytest.mark.parametrize("name", SERVING_PAGES)
+def test_the_serving_examples_name_real_flags_files_and_names(name):
+    """Each walkthrough's commands against the parsers they reach: the front's, the distill command's, the example
+    scripts' own; the vLLM command against the flags the front needs and the connector's config for the same share;
+    the client against the names the front serves."""
     import argparse
     import importlib.util
     import json
@@ -595,7 +602,7 @@ def test_serve_with_vllm_md_names_real_flags_files_and_names():
     from peft_softprompt_plus.serve import kv_fields as serve_kv
     from peft_softprompt_plus.serve.upstream import UPSTREAM_FLAGS
 
-    page = ROOT / "examples" / "serve_with_vllm.md"
+    page = ROOT / "examples" / name
     commands = _commands(page)
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     flags_of = lambda parser: {s for a in parser._actions for s in a.option_strings}  # noqa: E731
@@ -603,6 +610,11 @@ def test_serve_with_vllm_md_names_real_flags_files_and_names():
     for words in commands:
         if words[:2] == ["softprompt-plus", "fetch"]:
             assert words[2] in CHECKPOINTS, words
+        elif words[:2] == ["softprompt-plus", "distill"]:
+            assert set(_options(words)) <= flags_of(sub["distill"]), sorted(set(_options(words)) - flags_of(sub["distill"]))
+            sub["distill"].parse_args(words[2:])  # every value of the right type
+            assert all((ROOT / f).is_file() for f in _options(words).get("--system-prompt-file", []))
+            saved.add(_options(words)["--output-dir"][0])  # the adapter folder itself
         elif words[:2] == ["softprompt-plus", "serve"]:
             front = _options(words)
             assert set(front) <= flags_of(sub["serve"]), sorted(set(front) - flags_of(sub["serve"]))
@@ -617,7 +629,9 @@ def test_serve_with_vllm_md_names_real_flags_files_and_names():
             vllm = _options(words)
     assert front is not None and vllm is not None and saved
     adapters = dict(a.split("=", 1) for a in front["--adapter"])
-    assert sorted(adapters.values()) == sorted(saved)  # the front serves the folders the examples wrote
+    assert sorted(adapters.values()) == sorted(saved)  # the front serves the folders the commands wrote
+    composed = dict(c.split("=", 1) for c in front.get("--compose", []))
+    assert all(set(parts.split(",")) <= set(adapters) for parts in composed.values()), composed
     assert all(f in vllm for f in UPSTREAM_FLAGS.split(" ") if f.startswith("--"))
     assert vllm["--dtype"] == [UPSTREAM_FLAGS.split("--dtype ")[1].split()[0]]
     share = front["--kv-share"][0]
@@ -627,8 +641,23 @@ def test_serve_with_vllm_md_names_real_flags_files_and_names():
     assert front["--base"] == vllm["--model"]  # the front reads the checkpoint vLLM serves
     client = next(b.code for b in blocks(page) if b.lang == "python")
     assert f'base_url="http://127.0.0.1:{front["--port"][0]}/v1"' in client
-    named = set(re.findall(r"for name in \(([^)]*)\)", client)[0].replace('"', "").replace(" ", "").split(","))
-    assert named == set(adapters), (named, adapters)
+    named = {n for n in re.findall(r"for name in \(([^)]*)\)", client)[0].replace('"', "").replace(" ", "").split(",") if n}
+    assert named and named <= set(adapters) | set(composed), (named, adapters, composed)
+
+
+def test_the_tp2_page_s_engine_is_the_one_the_vllm_check_runs():
+    """bench/vllm_check.py --parts tp reads its TP=2 engine's parallel flags and thread binding from this page."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench" / "vllm"))
+    try:
+        import _vllm_tp
+    finally:
+        sys.path.pop(0)
+    text = (ROOT / "examples" / "serve_at_tp2.md").read_text()
+    flags, bind = _vllm_tp.LAYOUTS["tp2"]
+    assert flags == ["--tensor-parallel-size", "2"] and bind == "0|1"
+    assert f'VLLM_CPU_OMP_THREADS_BIND="{bind}"' in text and " ".join(flags) in text
 
 
 def test_distillation_md_says_the_front_folds_a_selected_kv_student_on_rotary_bases_only():

@@ -2,8 +2,9 @@
 
 `smol`: KV adapters behind `softprompt-plus serve` and vLLM's KV connector, each reply (Completions, Chat, a stream
 of each) against this library's `generate`: two native KV adapters (a text start, trained a few steps off it), a
-`selected` distillation student and one that keeps its facts as the teacher's own keys/values (`keep_text`; their
-text starts past N: the front folds them at load) and `--compose kv-ab=kv-a,kv-b`.
+`selected` distillation student and one that keeps its facts as the teacher's own keys/values (`keep_text`), a
+context-tuned adapter whose positions were chosen per layer and KV head (`kv_selection="per_head"`, a few steps
+trained; these three start their text past N: the front folds them at load) and `--compose kv-ab=kv-a,kv-b`.
 `limit`: a front with small `--max-in-flight` and `--max-tokens-in-flight`, fired well past them."""
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ KV_TEXTS = {  # each KV adapter's text start, its first N tokens' keys/values
     "kv-b": "You love numbers and give exact facts.",
 }
 COMPOSE = ("kv-ab", ("kv-a", "kv-b"))
+PER_HEAD = "kv-perhead"  # context tuning's per-head start, trained: its text starts past N, folded at load
+DEMOS = ["Paris -> France\n", "Rome -> Italy\n", "Lisbon -> Portugal\n", "Vienna -> Austria\n", "Oslo -> Norway\n"]
 STUDENT = "student"
 KEPT = "The shop opens at 8 am every day but Tuesday. A city bike costs 15 euros a day; an electric bike costs 30."
 STUDENTS = {STUDENT: None, "student-kept": KEPT}  # served name -> its kept passage
@@ -74,9 +77,39 @@ def build(path: str, out: str, student: bool = True) -> tuple[dict[str, str], di
         facts[name] = {"steps": 5, "last_loss": round(loss.item(), 3), "max_change_over_max_start": round(moved, 4)}
         folders[name] = os.path.join(out, "smol-adapters", name)
         model.save_pretrained(folders[name])
+    folders[PER_HEAD], facts[PER_HEAD] = _per_head(path, tokenizer, os.path.join(out, "smol-adapters", PER_HEAD))
     for name, kept in STUDENTS.items() if student else ():
         folders[name], facts[name] = _student(path, tokenizer, os.path.join(out, "smol-adapters", name), kept)
     return folders, facts
+
+
+def _per_head(path: str, tokenizer, folder: str) -> tuple[str, dict]:
+    """Context tuning's per-head start (`kv_selection="per_head"`, 12 of the demonstrations' positions per layer and
+    KV head, its text at the context's length), trained a few steps with leave-one-out on the demonstrations."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from peft_softprompt_plus import SoftPromptPlusConfig
+
+    torch.manual_seed(0)
+    config = SoftPromptPlusConfig(
+        task_type="CAUSAL_LM", prompt_level="kv", prompt_init="demonstrations", prompt_init_texts=DEMOS,
+        num_virtual_tokens=12, kv_selection="per_head", tokenizer_name_or_path=path,
+    )  # fmt: skip
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), config).train()
+    optimizer = torch.optim.AdamW([model.base_model.prompt()], lr=1e-2, weight_decay=0.0)
+    for step in range(4):  # each a demonstration, read without its own entries
+        ids = torch.tensor([tokenizer(DEMOS[step % len(DEMOS)], add_special_tokens=False)["input_ids"]])
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(folder)
+    config = model.peft_config["default"]
+    facts = {"num_virtual_tokens": config.num_virtual_tokens, "kv_text_start": config.kv_text_start, "steps": 4}
+    facts["leave_one_out"] = dict(model.base_model.forward_state.leave_one_out)
+    return folder, facts
 
 
 def _student(path: str, tokenizer, folder: str, kept=None) -> tuple[str, dict]:

@@ -2,7 +2,7 @@
 32) saved locally, served by vLLM for CPU at TP=1, TP=2 and PP=2 (one engine each, the same flags), with
 `softprompt-plus serve` in front. Adapters: an input adapter (`prompt_embeds`), two native KV adapters (one from a
 text start, one moved off its text start by noise), a KV adapter started from demonstrations whose text starts past
-N (the front folds it at load), and `--compose both=kv-text,kv-noise`. Each reply through the front (Completions,
+N (the front folds it at load), the same with its positions chosen per layer and KV head, and `--compose both=kv-text,kv-noise`. Each reply through the front (Completions,
 Chat, streams of both, a mixed burst, an immediate repeat) is compared with this library's `generate`.
 
 Every engine runs chunked prefill (32 tokens a step) in 8 usable blocks of 32 slots, so the burst preempts requests
@@ -39,9 +39,23 @@ ENGINE = [
     *("--max-model-len", "256", "--block-size", "32", "--enable-prefix-caching"),
     *("--max-num-batched-tokens", "32", "--num-gpu-blocks-override", "9", "--seed", "0"),
 ]
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "serve_at_tp2.md")
+
+
+def _page_layout(page: str = PAGE) -> tuple[list[str], str]:
+    """The TP=2 engine as examples/serve_at_tp2.md starts it: its parallel flag and thread binding, so this part runs
+    the page's engine."""
+    text = open(page, encoding="utf-8").read()
+    size = re.search(r"--tensor-parallel-size (\d+)", text)
+    bind = re.search(r'VLLM_CPU_OMP_THREADS_BIND="([^"]+)"', text)
+    if size is None or bind is None:
+        raise SystemExit(f"{page} no longer starts vLLM with --tensor-parallel-size and VLLM_CPU_OMP_THREADS_BIND")
+    return ["--tensor-parallel-size", size.group(1)], bind.group(1)
+
+
 LAYOUTS = {  # name -> (vLLM flags, VLLM_CPU_OMP_THREADS_BIND: one core per worker)
     "tp1": (["--tensor-parallel-size", "1"], "0-1"),
-    "tp2": (["--tensor-parallel-size", "2"], "0|1"),
+    "tp2": _page_layout(),
     "pp2": (["--pipeline-parallel-size", "2"], "0|1"),
 }
 
@@ -65,6 +79,10 @@ def build(out: str) -> tuple[str, dict[str, str]]:
         # 12 positions selected of the demonstrations' ~24: the text starts past N, at the context's length
         "kv-demos": SoftPromptPlusConfig(
             num_virtual_tokens=12, prompt_init="demonstrations", prompt_init_texts=DEMOS, **kv
+        ),
+        # the same, its 12 positions chosen per layer and KV head: each rank writes its own heads' entries
+        "kv-perhead": SoftPromptPlusConfig(
+            num_virtual_tokens=12, prompt_init="demonstrations", prompt_init_texts=DEMOS, kv_selection="per_head", **kv
         ),
     }
     folders = {}
