@@ -54,3 +54,14 @@ def test_gathered_and_origins_agree_for_shared_and_per_head_positions():
     picked = kv_select.gathered(cache, per_head)  # [layers, 2, Hkv, 2, hd]
     for layer, head, j in [(0, 0, 1), (0, 2, 0), (1, 1, 1)]:
         assert torch.equal(picked[layer, :, head, j], cache[layer, :, head, int(per_head[layer, head, j])])
+
+
+def test_pooling_ranks_a_much_read_position_s_neighbours_with_it_and_is_checked():
+    scores = torch.tensor([[[0.0, 0, 9, 0, 1, 2, 0]]])  # [layers=1, Hkv=1, P=7]: position 2 read most
+    assert kv_select.per_head_positions(scores, 3).tolist() == [[[2, 4, 5]]]
+    assert kv_select.per_head_positions(scores, 3, pool=3).tolist() == [[[1, 2, 3]]]  # the fact's neighbours
+    assert torch.equal(kv_select.pooled(scores, 1), scores)
+    assert kv_select.pooled(scores, 3)[0, 0].tolist() == [0.0, 9, 9, 9, 2, 2, 2]
+    for bad in (2, 0, True, 1.0):
+        with pytest.raises(ValueError, match=r"`width` must be an odd int >= 1"):
+            kv_select.pooled(scores, bad)

@@ -1,7 +1,8 @@
 """Which of a context's cached positions a KV prompt keeps, in one place for the demonstrations start (context
 tuning) and a KV student's `selected` start (distillation): the attention a set of reading rows pays each position
 (`attention_received`, the scorer), the top n of it shared by every layer and head or per layer and key/value head
-(as SnapKV and H2O select a cache), the cache gathered at them, and each kept entry's origin (its context position).
+(as SnapKV and H2O select a cache; optionally pooled over neighbours first, as SnapKV pools), the cache gathered at
+them, and each kept entry's origin (its context position).
 """
 
 from __future__ import annotations
@@ -72,11 +73,23 @@ def shared_positions(scores: torch.Tensor, n: int, forced: Sequence[int] = ()) -
     return ranked.topk(n).indices.sort().values
 
 
-def per_head_positions(scores: torch.Tensor, n: int, forced: Sequence[int] = ()) -> torch.Tensor:
+def pooled(scores: torch.Tensor, width: int) -> torch.Tensor:
+    """`scores` (`[..., P]`) max-pooled over `width` neighbouring positions (odd; 1: unchanged), as SnapKV pools
+    before its top-k: a position next to a much-read one ranks with it, so a fact's few tokens are kept together."""
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1 or width % 2 == 0:
+        raise ValueError(f"`width` must be an odd int >= 1 (1: no pooling), got {width!r}.")
+    if width == 1:
+        return scores
+    flat = scores.reshape(-1, 1, scores.shape[-1])  # [rows, 1, P]
+    return nn.functional.max_pool1d(flat, width, stride=1, padding=width // 2).reshape(scores.shape)
+
+
+def per_head_positions(scores: torch.Tensor, n: int, forced: Sequence[int] = (), pool: int = 1) -> torch.Tensor:
     """The `n` best-scored positions of `scores` (`[layers, Hkv, P]`) per layer and head, in position order, the
-    positions `forced` (the sink, a kept passage) always among them: `[layers, Hkv, n]`."""
+    positions `forced` (the sink, a kept passage) always among them: `[layers, Hkv, n]`. `pool`: the scores
+    max-pooled over that many neighbours first (`pooled`)."""
     _checked_n(n, forced, scores.shape[-1])
-    ranked = scores.clone()  # [layers, Hkv, P]
+    ranked = pooled(scores, pool).clone()  # [layers, Hkv, P]
     ranked[..., list(forced)] = float("inf")
     return ranked.topk(n, dim=-1).indices.sort(dim=-1).values
 
