@@ -27,7 +27,9 @@ from peft_softprompt_plus.apps import capitals
 
 CT_LR = 1e-3  # Context Tuning's (its train.py); not swept here
 CHECKED = 40  # held-out items on which hard k-shot is also read as text, to check the start against it
-_ARM = re.compile(r"^(ct|peft-prefix-demos|peft-cartridge-demos|hard-demos)-k(\d+)((?:-n\d+|-many|-noloo|-perhead|-desc|-drop[0-9.]+)*)$")
+_ARM = re.compile(
+    r"^(ct|peft-prefix-demos|peft-cartridge-demos|hard-demos)-k(\d+)((?:-n\d+|-many|-noloo|-perhead|-desc|-drop[0-9.]+)*)$"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +89,9 @@ def build(arm: Arm, texts: list[str]):
 
 PEFT_CONFIGS = {  # PEFT's KV methods, each started from the demonstrations' text at N (its first N positions)
     "peft-prefix-demos": lambda n: PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=n),
-    "peft-cartridge-demos": lambda n: CartridgeConfig(task_type="CAUSAL_LM", num_virtual_tokens=n, num_frozen_tokens=1),
+    "peft-cartridge-demos": lambda n: CartridgeConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=n, num_frozen_tokens=1
+    ),
 }
 
 

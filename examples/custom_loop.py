@@ -55,7 +55,9 @@ def main() -> None:
     torch.manual_seed(0)
 
     base, tokenizer = load(args.model)
-    stale = torch.optim.AdamW(base.parameters(), lr=args.learning_rate)  # the mistake shown at the end: made before attaching
+    stale = torch.optim.AdamW(
+        base.parameters(), lr=args.learning_rate
+    )  # the mistake shown at the end: made before attaching
     config = SoftPromptPlusConfig(task_type="CAUSAL_LM", num_virtual_tokens=args.num_virtual_tokens, init_seed=0)
     model = get_peft_model(base, config)  # the attach-time probe already ran here
     batch = make_batch(tokenizer)

@@ -611,7 +611,9 @@ def test_the_serving_examples_name_real_flags_files_and_names(name):
         if words[:2] == ["softprompt-plus", "fetch"]:
             assert words[2] in CHECKPOINTS, words
         elif words[:2] == ["softprompt-plus", "distill"]:
-            assert set(_options(words)) <= flags_of(sub["distill"]), sorted(set(_options(words)) - flags_of(sub["distill"]))
+            assert set(_options(words)) <= flags_of(sub["distill"]), sorted(
+                set(_options(words)) - flags_of(sub["distill"])
+            )
             sub["distill"].parse_args(words[2:])  # every value of the right type
             assert all((ROOT / f).is_file() for f in _options(words).get("--system-prompt-file", []))
             saved.add(_options(words)["--output-dir"][0])  # the adapter folder itself
@@ -641,7 +643,9 @@ def test_the_serving_examples_name_real_flags_files_and_names(name):
     assert front["--base"] == vllm["--model"]  # the front reads the checkpoint vLLM serves
     client = next(b.code for b in blocks(page) if b.lang == "python")
     assert f'base_url="http://127.0.0.1:{front["--port"][0]}/v1"' in client
-    named = {n for n in re.findall(r"for name in \(([^)]*)\)", client)[0].replace('"', "").replace(" ", "").split(",") if n}
+    named = {
+        n for n in re.findall(r"for name in \(([^)]*)\)", client)[0].replace('"', "").replace(" ", "").split(",") if n
+    }
     assert named and named <= set(adapters) | set(composed), (named, adapters, composed)
 
 

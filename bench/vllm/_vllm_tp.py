@@ -2,8 +2,9 @@
 32) saved locally, served by vLLM for CPU at TP=1, TP=2 and PP=2 (one engine each, the same flags), with
 `softprompt-plus serve` in front. Adapters: an input adapter (`prompt_embeds`), two native KV adapters (one from a
 text start, one moved off its text start by noise), a KV adapter started from demonstrations whose text starts past
-N (the front folds it at load), the same with its positions chosen per layer and KV head, and `--compose both=kv-text,kv-noise`. Each reply through the front (Completions,
-Chat, streams of both, a mixed burst, an immediate repeat) is compared with this library's `generate`.
+N (the front folds it at load), the same with its positions chosen per layer and KV head, and
+`--compose both=kv-text,kv-noise`. Each reply through the front (Completions, Chat, streams of both, a mixed burst, an
+immediate repeat) is compared with this library's `generate`.
 
 Every engine runs chunked prefill (32 tokens a step) in 8 usable blocks of 32 slots, so the burst preempts requests
 and the connector writes a re-admitted request again; an immediate repeat finds the first's full blocks in vLLM's

@@ -35,7 +35,10 @@ def _example_flags() -> dict[str, set[str]]:
 
 
 def test_no_command_or_example_spells_a_vocabulary_flag_another_way():
-    shown = {name: {o for a in p._actions for o in a.option_strings if o not in flags.RENAMED} for name, p in _parsers().items()}
+    shown = {
+        name: {o for a in p._actions for o in a.option_strings if o not in flags.RENAMED}
+        for name, p in _parsers().items()
+    }
     shown.update(_example_flags())
     assert {name: sorted(f & OTHER_SPELLINGS) for name, f in shown.items() if f & OTHER_SPELLINGS} == {}
     assert all(f"`{flag}`" in (ROOT / "docs" / "api.md").read_text() for flag in flags.VOCABULARY)

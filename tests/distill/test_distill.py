@@ -336,7 +336,15 @@ def test_cli_distill_end_to_end_writes_a_loadable_adapter(chat_dir, tmp_path, ca
     (tmp_path / "system.txt").write_text(SYSTEM + "\n")
     (tmp_path / "users.txt").write_text("\n".join(USERS + ["", "  "]) + "\n")
     out = tmp_path / "adapter"
-    argv = ["distill", "--model", chat_dir, "--system-prompt-file", str(tmp_path / "system.txt"), "--output-dir", str(out)]
+    argv = [
+        "distill",
+        "--model",
+        chat_dir,
+        "--system-prompt-file",
+        str(tmp_path / "system.txt"),
+        "--output-dir",
+        str(out),
+    ]
     argv += ["--num-virtual-tokens", "3", "--steps", "4", "--user-file", str(tmp_path / "users.txt")]
     assert cli_main(argv + ["--batch-size", "4", "--in-system-turn"]) == 0
     printed = capsys.readouterr().out

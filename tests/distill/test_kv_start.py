@@ -95,7 +95,15 @@ def test_cli_distill_trains_a_kv_student_and_refuses_kv_with_placement(chat_dir,
     (tmp_path / "users.txt").write_text("\n".join(USERS) + "\n")
     (tmp_path / "keep.txt").write_text("red green blue\n")
     out = tmp_path / "adapter"
-    argv = ["distill", "--model", chat_dir, "--system-prompt-file", str(tmp_path / "system.txt"), "--output-dir", str(out)]
+    argv = [
+        "distill",
+        "--model",
+        chat_dir,
+        "--system-prompt-file",
+        str(tmp_path / "system.txt"),
+        "--output-dir",
+        str(out),
+    ]
     argv += ["--num-virtual-tokens", "5", "--steps", "2", "--user-file", str(tmp_path / "users.txt")]
     assert cli_main(argv + ["--batch-size", "4", "--prompt-level", "kv", "--prompt-init", "selected"]) == 0
     assert "adapter saved to" in capsys.readouterr().out

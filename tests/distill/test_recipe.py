@@ -166,7 +166,15 @@ def test_cli_maps_the_recipe_flags_and_refuses_a_negative_top_k(chat_dir, tmp_pa
     (tmp_path / "system.txt").write_text(SYSTEM + "\n")
     (tmp_path / "users.txt").write_text("\n".join(USERS) + "\n")
     out = tmp_path / "adapter"
-    argv = ["distill", "--model", chat_dir, "--system-prompt-file", str(tmp_path / "system.txt"), "--output-dir", str(out)]
+    argv = [
+        "distill",
+        "--model",
+        chat_dir,
+        "--system-prompt-file",
+        str(tmp_path / "system.txt"),
+        "--output-dir",
+        str(out),
+    ]
     argv += ["--num-virtual-tokens", "5", "--steps", "1", "--user-file", str(tmp_path / "users.txt")]
     flags = ["--batch-size", "4", "--prompt-level", "kv", "--kv-frozen-positions", "2", "--kl-top-k", "8"]
     assert cli_main(argv + flags) == 0

@@ -136,7 +136,9 @@ def test_the_start_keeps_each_head_s_most_attended_context_entries_and_saves_the
     model = _model(tokenizer, tok_dir).eval()
     config, bank = model.peft_config["demo"], model.base_model.prompt_bank
     base = model.get_base_model()
-    ids = [t for demo in config.demonstration_ids for t in demo + tokenizer("\n", add_special_tokens=False)["input_ids"]]
+    ids = [
+        t for demo in config.demonstration_ids for t in demo + tokenizer("\n", add_special_tokens=False)["input_ids"]
+    ]
     assert config.kv_text_start == len(ids) and config.demonstration_spans[0] == [0, len(config.demonstration_ids[0])]
     rows = base.get_input_embeddings()(torch.tensor(ids))
     cache = run_once(base, rows, model.base_model.forward_state.kv_layout)  # [layers, 2, Hkv, P, hd]
@@ -188,9 +190,16 @@ def test_inspect_summarises_the_origins_without_a_tokenizer_or_a_model(tokenizer
     "damage, words",
     [
         (lambda t: t.pop("base_model.softprompt_plus.kv_origins"), "holds no 'base_model.softprompt_plus.kv_origins'"),
-        (lambda t: t.update({"base_model.softprompt_plus.kv_origins": t["base_model.softprompt_plus.kv_origins"][:1]}),
-         "needs int64 of shape [2, 2, 9]"),  # fmt: skip
-        (lambda t: t["base_model.softprompt_plus.kv_origins"].mul_(-1), "is not each head's context positions in order"),
+        (
+            lambda t: t.update(
+                {"base_model.softprompt_plus.kv_origins": t["base_model.softprompt_plus.kv_origins"][:1]}
+            ),
+            "needs int64 of shape [2, 2, 9]",
+        ),  # fmt: skip
+        (
+            lambda t: t["base_model.softprompt_plus.kv_origins"].mul_(-1),
+            "is not each head's context positions in order",
+        ),
     ],
 )
 def test_damaged_origins_are_refused_by_name_and_the_base_left_alone(tokenizer, tok_dir, tmp_path, damage, words):

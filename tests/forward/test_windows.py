@@ -27,7 +27,10 @@ def test_the_smallest_window_is_the_narrowest_layer_s_and_none_without_one():
     assert smallest_window(None) is None
     assert smallest_window(family_config("llama")) is None
     assert smallest_window(family_config("mistral")) == 8
-    assert smallest_window(family_config("qwen2", sliding_window=6, layer_types=["full_attention", "sliding_attention"])) == 6
+    assert (
+        smallest_window(family_config("qwen2", sliding_window=6, layer_types=["full_attention", "sliding_attention"]))
+        == 6
+    )
     assert smallest_window(family_config("qwen2", sliding_window=6, layer_types=["full_attention"] * 2)) is None
 
 

@@ -64,7 +64,8 @@ def _launch(mode: str, out, forward_path: str = "auto", level: str = "input") ->
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           WORKER, "--mode", mode, "--output-dir", str(out), "--forward-path", forward_path, "--level", level]  # fmt: skip
+           WORKER, "--mode", mode, "--output-dir", str(out), "--forward-path", forward_path,
+           "--level", level]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"{mode} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]

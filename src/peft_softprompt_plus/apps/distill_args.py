@@ -202,9 +202,7 @@ def _distill(args) -> int:
         )
     from ..distill.refusals import level_defaults, level_problems, study_problems  # the standard library only
 
-    chosen = level_defaults(
-        args.prompt_level, lr=args.lr, prompt_init=args.prompt_init, self_study=args.self_study
-    )
+    chosen = level_defaults(args.prompt_level, lr=args.lr, prompt_init=args.prompt_init, self_study=args.self_study)
     args.lr, args.prompt_init, args.self_study = chosen["lr"], chosen["prompt_init"], chosen["self_study"]
     found = level_problems(args.prompt_level, args.prompt_init, args.in_system_turn, args.keep_file)
     found += study_problems(False, args.kl_top_k, args.kv_frozen_positions, args.prompt_level)

@@ -32,8 +32,9 @@ def main(args, system_prompt: str, user_turns, held_out_turns, probes=None) -> i
     model.save_pretrained(args.output_dir)
     model.distill_report.save(os.path.join(args.output_dir, REPORT_FILE))
     chat = ", chat=False" if args.plain else ""
+    out = args.output_dir
     print(
-        f"adapter saved to {args.output_dir}: load it with PeftModel.from_pretrained(base, {args.output_dir!r}); format its "
+        f"adapter saved to {out}: load it with PeftModel.from_pretrained(base, {out!r}); format its "
         f"inputs with peft_softprompt_plus.student_inputs(tokenizer, conversations{chat}); the options it ran with "
         f"and its figures in {os.path.join(args.output_dir, REPORT_FILE)}"
     )

@@ -11,7 +11,15 @@ import warnings
 
 from .._moved import REMOVED_IN
 
-VOCABULARY = ("--model", "--output-dir", "--steps", "--learning-rate", "--num-virtual-tokens", "--batch-size", "--seed")
+VOCABULARY = (
+    "--model",
+    "--output-dir",
+    "--steps",
+    "--learning-rate",
+    "--num-virtual-tokens",
+    "--batch-size",
+    "--seed",
+)
 RENAMED = {"--out": "--output-dir", "--lr": "--learning-rate"}  # the 0.2.0 CLI spelling -> this vocabulary's
 
 

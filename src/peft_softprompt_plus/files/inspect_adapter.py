@@ -70,7 +70,8 @@ class AdapterReport:
             lines += [f"  demonstration {i}: context positions {span}" for i, span in enumerate(spans)]
             lines.append("  entries per layer (all its key/value heads) from each demonstration, then from neither:")
             lines += [
-                f"  layer {i:>3}: {layer['demonstrations']} + {layer['neither']}" for i, layer in enumerate(self.origins)
+                f"  layer {i:>3}: {layer['demonstrations']} + {layer['neither']}"
+                for i, layer in enumerate(self.origins)
             ]
         elif spans:  # a demonstrations start: which positions each demonstration left (leave-one-out masks them)
             lines.append(f"started from {len(spans)} demonstrations; their spans among the N positions:")

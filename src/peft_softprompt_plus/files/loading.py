@@ -13,7 +13,17 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._names import BANK, ENCODER_FILE, ORIGINS, RAW_KEY, SAVED_KEY, SAVED_KV_KEY, SAVED_ORIGINS_KEY, SINKS, prompt_key
+from .._names import (
+    BANK,
+    ENCODER_FILE,
+    ORIGINS,
+    RAW_KEY,
+    SAVED_KEY,
+    SAVED_KV_KEY,
+    SAVED_ORIGINS_KEY,
+    SINKS,
+    prompt_key,
+)
 from ..forward.state import BaseSettings
 from .reading import AdapterFileError, diagnose_kv, diagnose_prompt, missing_because
 

@@ -10,7 +10,7 @@ from ..gradients import flow as gradient_flow
 from ..method import placement
 from ..method.config import ForwardPath
 from ..method.tasks import Task, task_name, task_of
-from . import attention, generation, kv_regularize, kv_pass, routing, semantics, validation
+from . import attention, generation, kv_pass, kv_regularize, routing, semantics, validation
 from . import paths as forward_paths
 
 

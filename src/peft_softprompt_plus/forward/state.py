@@ -1,8 +1,8 @@
 """The forward's state: one object the tuner holds (`tuner.forward_state`), with methods the tuner, the forward, the
 gradient probe and loading call. It owns whether the prompt enters at the attention, what prompting changed on the
 base model (so it can be handed back), each adapter's stored prompt pass, the `adapter_names` of the call in flight,
-the one `grad_disabled` warning, the leave-one-out counts and their one warning, and where an adapter being loaded comes from. No module writes another's private
-attributes."""
+the one `grad_disabled` warning, the leave-one-out counts and their one warning, and where an adapter being loaded
+comes from. No module writes another's private attributes."""
 
 from __future__ import annotations
 

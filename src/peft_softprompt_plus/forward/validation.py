@@ -9,9 +9,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .windows import smallest_window
 from ..method.tasks import task_name
 from . import semantics
+from .windows import smallest_window
 
 
 def _shape(t: torch.Tensor) -> str:

@@ -14,7 +14,17 @@ from peft.utils import set_additional_trainable_modules
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from .._names import BANK, ORIGINS, PREFIX, SAVED_KEY, SAVED_KV_KEY, SAVED_ORIGINS_KEY, SINKS, encoder_state, prompt_key
+from .._names import (
+    BANK,
+    ORIGINS,
+    PREFIX,
+    SAVED_KEY,
+    SAVED_KV_KEY,
+    SAVED_ORIGINS_KEY,
+    SINKS,
+    encoder_state,
+    prompt_key,
+)
 from ..files import loading, saving
 from ..forward import paths as forward_paths
 from ..forward import prompted, routing, validation
