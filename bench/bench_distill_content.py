@@ -141,6 +141,37 @@ def _score_only(names, seed, path, tokenizer, data: Path, system_prompt: str, kn
               f"/ none {u.none:.2f} | kept {u.kept:.0%} (95%: {low:.0%}–{high:.0%}){only} |", flush=True)  # fmt: skip
 
 
+@torch.no_grad()
+def _check_probes(path: str, tokenizer, data: Path, system_prompt: str) -> None:
+    """`--check-probes`: a new prompt's questions read by the teacher and by no system prompt only (no student), each
+    probe's facts stated by each: the check its writer makes before freezing the prompt and its probes."""
+    probes = read_probes((data / "user_probes.jsonl").read_text().splitlines())
+    prepared, pad = prepare(tokenizer, system_prompt, True, 1), pad_id(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    from peft import get_peft_model
+
+    from peft_softprompt_plus import SoftPromptPlusConfig
+
+    model = get_peft_model(model, SoftPromptPlusConfig(num_virtual_tokens=1, validate_gradients="off"))
+    questions = [p.question for p in probes]
+    teacher = replies(model, tokenizer, prepared, questions, BASE, pad, 8, prepared.prefix_ids)
+    none = replies(model, tokenizer, prepared, questions, BASE, pad, 8)
+    rows = []
+    for probe, t, n in zip(probes, teacher, none, strict=True):
+        facts = set().union(*(words(f) for f in probe.facts))
+        if not facts:
+            raise SystemExit(f"probe {probe.question!r}: its facts {probe.facts} are all common words; name others")
+        shares = {reader: len(words(text) & facts) / len(facts) for reader, text in (("teacher", t), ("none", n))}
+        rows.append(dict(question=probe.question, facts=sorted(facts), teacher=t, none=n,
+                         teacher_share=shares["teacher"], none_share=shares["none"]))  # fmt: skip
+        print(f"{rows[-1]['teacher_share']:.2f} {rows[-1]['none_share']:.2f} | {probe.question} | {t[:90]!r}")
+    stated = sum(r["teacher_share"] > 0 for r in rows)
+    print(f"{data.name}: {len(rows)} probes; the teacher states facts of {stated}, mean share "
+          f"{sum(r['teacher_share'] for r in rows) / len(rows):.2f}; no prompt "
+          f"{sum(r['none_share'] for r in rows) / len(rows):.2f}")  # fmt: skip
+    (arms.OUT / f"probe_check_{data.name}.json").write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -168,6 +199,9 @@ def main() -> None:
         "--score-only", action="store_true", help="score the arms' adapters saved by an earlier run on the user probes"
     )
     parser.add_argument("--table", action="store_true", help="print every recorded arm on --prompt over its seeds")
+    parser.add_argument(
+        "--check-probes", action="store_true", help="--prompt's probes read by the teacher and no prompt only"
+    )
     args = parser.parse_args()
     names = args.arm or arms.DEFAULT_ARMS
     unknown = [name for name in names if name not in arms.ARMS]
@@ -185,6 +219,8 @@ def main() -> None:
     arms.OUT.mkdir(exist_ok=True)
     if args.table:
         return print(table(arms.OUT / "distill_content.jsonl", data.name if args.prompt else arms.DATA.name, data))
+    if args.check_probes:
+        return _check_probes(path, tokenizer, data, system_prompt)
     if args.score_only:
         return _score_only(names, args.seed, path, tokenizer, data, system_prompt, arms.knobs(args))
     for name in names:
