@@ -17,7 +17,7 @@ class Arm(NamedTuple):
 
     turns_per_part: int
     answer_weight: float
-    num_virtual_tokens: int
+    num_virtual_tokens: float  # an int N, or a share of the system turn's positions below 1 (0.25: a quarter)
     in_system_turn: bool = False
     greedy_part_replies: bool = False
     quote_parts: int = 0
@@ -58,14 +58,26 @@ ARMS["KV, facts kept as keys/values, no part turns, N=kept+32"] = (0, 0.0, 32, *
 ARMS["KV, facts kept as keys/values, greedy and quoted part replies, answer weight 0.5, N=kept+32"] = (
     3, 0.5, 32, False, True, 3, True, "kv", "selected"
 )  # fmt: skip
+# The compressing students (issue 63): N as a share of the system turn's positions, the turn's length read per prompt.
+for _share, _name in ((1 / 16, "1/16"), (1 / 8, "1/8"), (1 / 4, "1/4"), (1 / 2, "1/2")):
+    ARMS[f"KV, selected start, 3 turns per part, answer weight 0.5, N={_name} of the turn"] = (
+        3, 0.5, _share, *_KV, "selected"
+    )  # fmt: skip
+ARMS["PEFT CARTRIDGE, text start, 3 turns per part, answer weight 0.5, N=1/4 of the turn"] = (
+    3, 0.5, 1 / 4, *_KV, "text"
+)  # fmt: skip
 DEFAULT_ARMS = list(ARMS)[:3]
 
 
 def num_virtual_tokens(arm: Arm, tokenizer, system_prompt: str, keep_text) -> int:
-    """The arm's N: a KV student keeping the facts counts their positions (and the template's) plus its own N."""
+    """The arm's N: a share of the system turn's positions rounded (an N below 1), or a KV student keeping the facts
+    counts their positions (and the template's) plus its own N."""
+    from peft_softprompt_plus.distill.data import kept_positions, prepare
+
+    if arm.num_virtual_tokens < 1:
+        return max(1, round(arm.num_virtual_tokens * len(prepare(tokenizer, system_prompt, True, 1).prefix_ids)))
     if not (arm.keep_facts and arm.prompt_level == "kv"):
         return arm.num_virtual_tokens
-    from peft_softprompt_plus.distill.data import kept_positions, prepare
 
     facts, frame = kept_positions(tokenizer, prepare(tokenizer, system_prompt, True, 1), keep_text)
     return len(set(facts) | set(frame) | {0}) + arm.num_virtual_tokens
