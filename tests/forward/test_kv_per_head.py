@@ -3,6 +3,8 @@ act per entry (forward/kv_regularize.py, the per-layer masks of forward/prompt_k
 written here, independent of the package's masks: per layer and query head, the prompt entries the row may read
 (the others removed), then the text's own causal keys, at the text's real positions."""
 
+import json
+
 import pytest
 import torch
 from _versions import checkpointing_on
@@ -154,7 +156,10 @@ def test_the_start_keeps_each_head_s_most_attended_context_entries_and_saves_the
     assert torch.equal(saved["base_model.softprompt_plus.kv_origins"], origins)
     fresh = tiny_family("llama", len(tokenizer))
     config_path = tmp_path / "a" / "demo"
-    loaded = PeftModel.from_pretrained(fresh, str(config_path), adapter_name="demo")  # no tokenizer read at load
+    saved_config = json.loads((config_path / "adapter_config.json").read_text())
+    saved_config["tokenizer_name_or_path"] = str(tmp_path / "no-such-tokenizer")  # loading must not need one
+    (config_path / "adapter_config.json").write_text(json.dumps(saved_config))
+    loaded = PeftModel.from_pretrained(fresh, str(config_path), adapter_name="demo")
     assert torch.equal(loaded.base_model.prompt_bank.origins["demo"], origins)
     torch.testing.assert_close(loaded.base_model.prompt_bank.values("demo"), bank.values("demo"))
 
