@@ -28,7 +28,7 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 import peft_softprompt_plus  # noqa: F401  (registers SOFTPROMPT_PLUS with PEFT; import it before any PEFT call)
-from peft_softprompt_plus import SoftPromptPlusConfig, pick_demonstrations
+from peft_softprompt_plus import LeaveOneOutLogCallback, SoftPromptPlusConfig, pick_demonstrations
 from peft_softprompt_plus.apps.tiny import SAMPLE_TEXTS, save_tiny
 
 
@@ -102,15 +102,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
         ),
         train_dataset=data,
         data_collator=DemonstrationCollator(tokenizer.pad_token_id or 0),
+        callbacks=[LeaveOneOutLogCallback()],  # each log entry: the rows that were, and weren't, a demonstration
     )
     trainer.train()
     counts = dict(model.base_model.forward_state.leave_one_out)  # rows that were a demonstration, and not
-    print(f"leave-one-out rows: {counts}")
+    logged = [e for e in trainer.state.log_history if "leave_one_out_matched" in e]
+    print(f"leave-one-out rows: {counts}; in the Trainer's log at step {logged[-1]['step']}")
     adapter_dir = os.path.join(output_dir, "adapter")
     model.save_pretrained(adapter_dir)
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), adapter_dir).eval()
     print(f"saved to {adapter_dir}: {reloaded.peft_config['default'].num_virtual_tokens} entries per layer and head")
-    return {"counts": counts, "adapter_dir": adapter_dir, "demonstrations": picked, "rows": len(rows)}
+    return {"counts": counts, "logged": logged, "adapter_dir": adapter_dir, "demonstrations": picked}
 
 
 if __name__ == "__main__":

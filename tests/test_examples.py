@@ -65,6 +65,8 @@ def test_the_context_tuning_trainer_example_passes_demonstration_index_and_keeps
     result = _run("context_tuning_trainer.py", ["--output-dir", str(tmp_path), "--steps", "4"], monkeypatch)["result"]
     counts = result["counts"]
     assert counts["matched"] > 0 and counts["matched"] + counts["unmatched"] == 4 * 4  # 4 steps of 4 rows
+    last = result["logged"][-1]  # the Trainer's own log carries the counts (LeaveOneOutLogCallback)
+    assert (last["leave_one_out_matched"], last["leave_one_out_unmatched"]) == (counts["matched"], counts["unmatched"])
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["kv_selection"] == "per_head" and len(config["demonstration_ids"]) == 4
     saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))

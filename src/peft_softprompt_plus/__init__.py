@@ -38,6 +38,7 @@ _PUBLIC = {  # name -> the module that defines it
     "fold_adapter": "files.fold",
     "save_folded": "files.fold",
     "pick_demonstrations": "method.demonstrations",
+    "LeaveOneOutLogCallback": "integrations.trainer_log",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 
