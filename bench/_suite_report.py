@@ -61,7 +61,7 @@ def cmd_report(args) -> None:
                 _fmt(bootstrap([_within(r, budget) for r in rs]), len(rs)) if trained else "–",
                 f"{per_step:.2f}" if per_step else "–",
             ])  # fmt: skip
-        print(markdown(["arm", "at step 120", "keep best by validation", "at equal time", "CPU s / step"], rows))
+        print(markdown(["arm", "at its last step", "keep best by validation", "at equal time", "CPU s / step"], rows))
         _curves(mine)
         _differences(mine, budget)
         _suite_ct_report.targets(task, mine)
