@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from test_distill import HELD_OUT, SYSTEM, USERS, _distill, base, chat_dir, tok  # noqa: F401  (fixtures)
+from test_distill import HELD_OUT, SYSTEM, USERS, _distill, base, chat_dir, cli_args, tok  # noqa: F401  (fixtures)
 from transformers import AutoTokenizer
 
 from peft_softprompt_plus.apps.cli import main as cli_main
@@ -216,15 +216,7 @@ def test_cli_takes_a_probe_file_and_held_out_turns_alone(chat_dir, tmp_path, cap
     (tmp_path / "held.txt").write_text("\n".join(HELD_OUT) + "\n")
     (tmp_path / "probes.txt").write_text(json.dumps({"question": "what colours?", "facts": ["red", "blue"]}) + "\n")
     out = tmp_path / "adapter"
-    argv = [
-        "distill",
-        "--model",
-        chat_dir,
-        "--system-prompt-file",
-        str(tmp_path / "system.txt"),
-        "--output-dir",
-        str(out),
-    ]
+    argv = cli_args(chat_dir, tmp_path, out)
     argv += ["--num-virtual-tokens", "3", "--steps", "2", "--batch-size", "4", "--turns-per-part", "1"]
     argv += ["--held-out-file", str(tmp_path / "held.txt"), "--probe-file", str(tmp_path / "probes.txt")]
     assert cli_main(argv + ["--greedy-part-replies", "--quote-parts", "1"]) == 0

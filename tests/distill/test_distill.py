@@ -332,19 +332,17 @@ def test_student_text_refuses_a_system_message(tok):
 # ---------------------------------------------------------------------------------------------- command line
 
 
+def cli_args(model_dir, tmp_path, out) -> list[str]:
+    """`softprompt-plus distill`'s required arguments: the model, `tmp_path`'s system.txt, the output folder."""
+    return ["distill", "--model", str(model_dir), "--system-prompt-file", str(tmp_path / "system.txt"),
+            "--output-dir", str(out)]  # fmt: skip
+
+
 def test_cli_distill_end_to_end_writes_a_loadable_adapter(chat_dir, tmp_path, capsys):
     (tmp_path / "system.txt").write_text(SYSTEM + "\n")
     (tmp_path / "users.txt").write_text("\n".join(USERS + ["", "  "]) + "\n")
     out = tmp_path / "adapter"
-    argv = [
-        "distill",
-        "--model",
-        chat_dir,
-        "--system-prompt-file",
-        str(tmp_path / "system.txt"),
-        "--output-dir",
-        str(out),
-    ]
+    argv = cli_args(chat_dir, tmp_path, out)
     argv += ["--num-virtual-tokens", "3", "--steps", "4", "--user-file", str(tmp_path / "users.txt")]
     assert cli_main(argv + ["--batch-size", "4", "--in-system-turn"]) == 0
     printed = capsys.readouterr().out

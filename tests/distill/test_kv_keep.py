@@ -6,7 +6,7 @@ the teacher's cache of the system turn, the teacher itself, the prompt before an
 import pytest
 import torch
 import transformers
-from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir, distill  # noqa: F401 (the fixture)
+from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir, cli_args, distill  # noqa: F401 (the fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus.apps.cli import main as cli_main
@@ -148,8 +148,8 @@ def test_a_kept_passage_longer_than_n_is_refused_before_the_model_changes(tok, c
     (tmp_path / "system.txt").write_text(SYSTEM + "\n")
     (tmp_path / "users.txt").write_text("\n".join(USERS) + "\n")
     (tmp_path / "facts.txt").write_text(FACTS + "\n")
-    argv = ["distill", "--model", chat_dir, "--system-prompt-file", str(tmp_path / "system.txt"), "--output-dir",
-            str(tmp_path / "out"), "--steps", "1", "--user-file", str(tmp_path / "users.txt"), "--prompt-level", "kv",
+    argv = cli_args(chat_dir, tmp_path, tmp_path / "out")
+    argv += ["--steps", "1", "--user-file", str(tmp_path / "users.txt"), "--prompt-level", "kv",
             "--keep-file", str(tmp_path / "facts.txt")]  # fmt: skip
     assert cli_main(argv + ["--num-virtual-tokens", str(kept - 1)]) == 2
     assert words in capsys.readouterr().err and not (tmp_path / "out").exists()
@@ -164,8 +164,8 @@ def test_cli_keeps_several_passages_as_kv_positions(tok, chat_dir, tmp_path, cap
     kept, facts = _kept(tok, passages)
     (tmp_path / "system.txt").write_text(SYSTEM + "\n")
     (tmp_path / "users.txt").write_text("\n".join(USERS) + "\n")
-    argv = ["distill", "--model", chat_dir, "--system-prompt-file", str(tmp_path / "system.txt"), "--output-dir",
-            str(tmp_path / "out"), "--steps", "1", "--batch-size", "4", "--user-file", str(tmp_path / "users.txt"),
+    argv = cli_args(chat_dir, tmp_path, tmp_path / "out")
+    argv += ["--steps", "1", "--batch-size", "4", "--user-file", str(tmp_path / "users.txt"),
             "--prompt-level", "kv", "--num-virtual-tokens", str(len(kept) + 2)]  # fmt: skip
     for i, passage in enumerate(passages):
         (tmp_path / f"keep{i}.txt").write_text(passage + "\n")
@@ -185,8 +185,8 @@ def test_selected_on_a_sliding_window_base_is_refused_before_the_model_changes(t
     assert not hasattr(base, "peft_config")
     (tmp_path / "system.txt").write_text(SYSTEM + "\n")
     (tmp_path / "users.txt").write_text("\n".join(USERS) + "\n")
-    argv = ["distill", "--model", window_dir, "--system-prompt-file", str(tmp_path / "system.txt"), "--output-dir",
-            str(tmp_path / "out"), "--steps", "1", "--user-file", str(tmp_path / "users.txt"), "--prompt-level", "kv",
+    argv = cli_args(window_dir, tmp_path, tmp_path / "out")
+    argv += ["--steps", "1", "--user-file", str(tmp_path / "users.txt"), "--prompt-level", "kv",
             "--num-virtual-tokens", "6"]  # fmt: skip
     assert cli_main(argv) == 2
     assert words in capsys.readouterr().err and not (tmp_path / "out").exists()
@@ -212,8 +212,8 @@ def test_n_left_to_the_default_is_32_selected_plus_the_kept_positions_at_most_th
     (tmp_path / "system.txt").write_text(longer + "\n")
     (tmp_path / "users.txt").write_text("\n".join(USERS) + "\n")
     (tmp_path / "facts.txt").write_text(FACTS + "\n")
-    argv = ["distill", "--model", chat_dir, "--system-prompt-file", str(tmp_path / "system.txt"), "--output-dir",
-            str(tmp_path / "out"), "--steps", "1", "--batch-size", "4", "--user-file", str(tmp_path / "users.txt"),
+    argv = cli_args(chat_dir, tmp_path, tmp_path / "out")
+    argv += ["--steps", "1", "--batch-size", "4", "--user-file", str(tmp_path / "users.txt"),
             "--prompt-level", "kv", "--keep-file", str(tmp_path / "facts.txt")]  # fmt: skip
     assert cli_main(argv) == 0
     assert PeftModel.from_pretrained(_base(chat_dir), tmp_path / "out").peft_config["default"].num_virtual_tokens == (

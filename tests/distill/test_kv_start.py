@@ -5,7 +5,7 @@ attention weights of the base model, and the PEFT reload of the saved student.""
 import pytest
 import torch
 from peft import PeftModel
-from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir, distill  # noqa: F401 (the fixture)
+from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir, cli_args, distill  # noqa: F401 (the fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus import student_inputs
@@ -95,15 +95,7 @@ def test_cli_distill_trains_a_kv_student_and_refuses_kv_with_placement(chat_dir,
     (tmp_path / "users.txt").write_text("\n".join(USERS) + "\n")
     (tmp_path / "keep.txt").write_text("red green blue\n")
     out = tmp_path / "adapter"
-    argv = [
-        "distill",
-        "--model",
-        chat_dir,
-        "--system-prompt-file",
-        str(tmp_path / "system.txt"),
-        "--output-dir",
-        str(out),
-    ]
+    argv = cli_args(chat_dir, tmp_path, out)
     argv += ["--num-virtual-tokens", "5", "--steps", "2", "--user-file", str(tmp_path / "users.txt")]
     assert cli_main(argv + ["--batch-size", "4", "--prompt-level", "kv", "--prompt-init", "selected"]) == 0
     assert "adapter saved to" in capsys.readouterr().out

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir, distill  # noqa: F401 (the fixture)
+from test_distill import HELD_OUT, SYSTEM, USERS, chat_dir, cli_args, distill  # noqa: F401 (the fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_softprompt_plus.distill import score, teacher
@@ -166,15 +166,7 @@ def test_cli_maps_the_recipe_flags_and_refuses_a_negative_top_k(chat_dir, tmp_pa
     (tmp_path / "system.txt").write_text(SYSTEM + "\n")
     (tmp_path / "users.txt").write_text("\n".join(USERS) + "\n")
     out = tmp_path / "adapter"
-    argv = [
-        "distill",
-        "--model",
-        chat_dir,
-        "--system-prompt-file",
-        str(tmp_path / "system.txt"),
-        "--output-dir",
-        str(out),
-    ]
+    argv = cli_args(chat_dir, tmp_path, out)
     argv += ["--num-virtual-tokens", "5", "--steps", "1", "--user-file", str(tmp_path / "users.txt")]
     flags = ["--batch-size", "4", "--prompt-level", "kv", "--kv-frozen-positions", "2", "--kl-top-k", "8"]
     assert cli_main(argv + flags) == 0

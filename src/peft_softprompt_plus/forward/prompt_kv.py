@@ -105,8 +105,8 @@ class PromptKV:
         else bool, True = attend (the split form). Under a per-entry `keep` the mask is `module`'s layer's own,
         `[b, H, q, N+kv]` (query head h reads key/value head h // (H / Hkv), as transformers' `repeat_kv`)."""
         layer = self.layer_of(module) if self.keep is not None and self.keep.dim() == 4 else None
-        cache_key = (id(text_mask) if text_mask is not None else None, query.shape[2], key.shape[2], window, additive)
-        cache_key += (layer,)
+        text_id = id(text_mask) if text_mask is not None else None
+        cache_key = (text_id, query.shape[2], key.shape[2], window, additive, layer)
         if cache_key not in self._masks:
             self._masks[cache_key] = self._build_mask(text_mask, query, key, window, additive, layer)
         return self._masks[cache_key]
