@@ -738,3 +738,16 @@ def test_serving_is_installed_from_the_checkout_not_from_an_index_release_withou
     pages = [*PAGES, *sorted((ROOT / "examples").glob("*.md"))]
     assert [p.name for p in pages if index_installs.search(p.read_text())] == []
     assert "pip install '.[serve]'" in (ROOT / "docs" / "serving.md").read_text()
+
+
+def test_the_leave_one_out_warning_s_row_count_is_the_code_s():
+    from peft_softprompt_plus.forward.state import UNMATCHED_WARNING_ROWS
+
+    pages = {
+        "docs/concepts.md": r"when the first (\d+) of them match no demonstration",
+        "docs/api.md": r"a run whose first (\d+) such rows match no demonstration",
+        "CHANGELOG.md": r"one warning says so when the first (\d+) match",
+    }
+    for page, said in pages.items():
+        text = " ".join((ROOT / page).read_text().split())
+        assert [int(n) for n in re.findall(said, text)] == [UNMATCHED_WARNING_ROWS], page
